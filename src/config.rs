@@ -1,0 +1,861 @@
+//! Connector definitions: `connectors/NAME.toml`.
+//!
+//! Guarantee: a [`Config`] that exists has passed validation. Every error
+//! names the field path (`source.tables[1]`, `kafka.properties."acks"`), and
+//! no secret (passwords in DSNs, `*password*`/`*secret*` properties, the
+//! registry password) is ever printed, including by `pgcdc validate`.
+//!
+//! ```text
+//!  file text ──► toml::Value ──► ${VAR} interpolation ──► PGCDC__A__B overrides
+//!                                                                │
+//!        Config ◄── validate (pure, all errors at once) ◄── serde (unknown fields rejected)
+//! ```
+//!
+//! Environment:
+//! - `${VAR}` and `${VAR:-default}` inside any string value are replaced from
+//!   the environment. A missing variable without a default is an error that
+//!   names both the variable and the field.
+//! - `PGCDC__SECTION__FIELD=value` overrides a field by path (double
+//!   underscore separates levels, names are lower-cased). The value is read
+//!   as a TOML value when it parses as one (`3`, `true`, `["a"]`), else as a
+//!   string.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::path::Path;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::secret::{is_sensitive_key, Dsn, Secret, REDACTED};
+
+/// Prefix of override variables; the double underscore keeps single
+/// underscores free for field names such as `topic_prefix`.
+pub const OVERRIDE_PREFIX: &str = "PGCDC__";
+
+/// Snapshot workers when unset: one per core on our reference machine.
+pub const DEFAULT_SNAPSHOT_WORKERS: usize = 2;
+/// Rows per snapshot chunk: large enough to amortise a query, small enough
+/// that a chunk's COPY stream stays well under the producer queue.
+pub const DEFAULT_SNAPSHOT_CHUNK_ROWS: u64 = 100_000;
+/// Partitions for topics pgcdc creates.
+pub const DEFAULT_PARTITIONS: i32 = 3;
+
+/// One problem in a config file, with the path of the field it concerns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid TOML: {message}")]
+    Syntax { path: String, message: String },
+    #[error("{path}: {}", .errors.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    Invalid {
+        path: String,
+        errors: Vec<FieldError>,
+    },
+}
+
+impl ConfigError {
+    /// The individual field errors, for callers that print one per line.
+    pub fn field_errors(&self) -> &[FieldError] {
+        match self {
+            ConfigError::Invalid { errors, .. } => errors,
+            _ => &[],
+        }
+    }
+}
+
+/// A validated connector definition.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// The pipeline's name; also the default consumer group and state key.
+    pub name: String,
+    pub source: SourceConfig,
+    pub kafka: KafkaConfig,
+    pub registry: RegistryConfig,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<TargetConfig>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub read_models: BTreeMap<String, ReadModelConfig>,
+}
+
+/// The source Postgres and what to capture from it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceConfig {
+    /// Connection string of the source database.
+    pub url: Dsn,
+    /// Logical replication slot (pgoutput).
+    pub slot: String,
+    /// Publication covering `tables`.
+    pub publication: String,
+    /// Captured tables as `schema.table`.
+    pub tables: Vec<String>,
+    #[serde(default)]
+    pub snapshot: SnapshotConfig,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SnapshotMode {
+    /// Snapshot only when the slot is created.
+    #[default]
+    Initial,
+    Never,
+    Always,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotConfig {
+    #[serde(default)]
+    pub mode: SnapshotMode,
+    #[serde(default = "default_snapshot_workers")]
+    pub workers: usize,
+    #[serde(default = "default_snapshot_chunk_rows")]
+    pub chunk_rows: u64,
+}
+
+impl Default for SnapshotConfig {
+    fn default() -> Self {
+        Self {
+            mode: SnapshotMode::default(),
+            workers: DEFAULT_SNAPSHOT_WORKERS,
+            chunk_rows: DEFAULT_SNAPSHOT_CHUNK_ROWS,
+        }
+    }
+}
+
+fn default_snapshot_workers() -> usize {
+    DEFAULT_SNAPSHOT_WORKERS
+}
+fn default_snapshot_chunk_rows() -> u64 {
+    DEFAULT_SNAPSHOT_CHUNK_ROWS
+}
+fn default_partitions() -> i32 {
+    DEFAULT_PARTITIONS
+}
+fn default_replication_factor() -> i32 {
+    1
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KafkaConfig {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    /// Topics are `<topic_prefix>.<schema>.<table>`.
+    pub topic_prefix: String,
+    #[serde(default = "default_partitions")]
+    pub partitions: i32,
+    #[serde(default = "default_replication_factor")]
+    pub replication_factor: i32,
+    /// `cleanup.policy` of created changelog topics.
+    #[serde(default)]
+    pub cleanup_policy: CleanupPolicy,
+    /// Passed through to librdkafka (SASL, SSL, compression, ...).
+    #[serde(default)]
+    pub properties: Properties,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CleanupPolicy {
+    #[default]
+    #[serde(rename = "delete")]
+    Delete,
+    #[serde(rename = "compact")]
+    Compact,
+    #[serde(rename = "compact,delete")]
+    CompactDelete,
+}
+
+impl CleanupPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CleanupPolicy::Delete => "delete",
+            CleanupPolicy::Compact => "compact",
+            CleanupPolicy::CompactDelete => "compact,delete",
+        }
+    }
+}
+
+/// librdkafka properties; values of sensitive keys never print.
+#[derive(Clone, Default, Deserialize)]
+#[serde(transparent)]
+pub struct Properties(pub BTreeMap<String, String>);
+
+impl Properties {
+    pub fn iter(&self) -> impl Iterator<Item = (&String, &String)> {
+        self.0.iter()
+    }
+}
+
+impl fmt::Debug for Properties {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(self.0.iter().map(|(k, v)| {
+                let shown = if is_sensitive_key(k) { REDACTED } else { v };
+                (k, shown)
+            }))
+            .finish()
+    }
+}
+
+impl Serialize for Properties {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (k, v) in &self.0 {
+            let shown = if is_sensitive_key(k) {
+                REDACTED
+            } else {
+                v.as_str()
+            };
+            map.serialize_entry(k, shown)?;
+        }
+        map.end()
+    }
+}
+
+/// Properties pgcdc sets itself because its delivery guarantee depends on
+/// them; overriding them would silently weaken it.
+pub const MANAGED_KAFKA_PROPERTIES: &[&str] = &[
+    "bootstrap.servers",
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+];
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// Base URL of a Confluent-compatible schema registry; a password in
+    /// its userinfo never prints.
+    pub url: Dsn,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub password: Option<Secret>,
+}
+
+/// The database that holds mirror tables, read models and pgcdc state.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TargetConfig {
+    pub url: Dsn,
+    /// Schema of the mirror tables.
+    #[serde(default = "default_mirror_schema")]
+    pub mirror_schema: String,
+    /// Consumer group id; defaults to `pgcdc-<name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_id: Option<String>,
+}
+
+fn default_mirror_schema() -> String {
+    "mirror".to_string()
+}
+
+/// A denormalized view kept in the target database.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadModelConfig {
+    /// Target table, `schema.table`.
+    pub table: String,
+    /// Key columns of the target table.
+    pub key: Vec<String>,
+    /// SQL over the mirror tables returning the rows for the keys in `$1`
+    /// (an array of the key; single-column keys only for now).
+    pub query: String,
+    /// How a change to each source table maps to affected keys.
+    pub sources: Vec<ReadModelSource>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReadModelSource {
+    /// Captured table, `schema.table`.
+    pub table: String,
+    /// The changed row's columns that are the view key, in `key` order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_columns: Option<Vec<String>>,
+    /// SQL over the mirror tables returning the affected view keys for the
+    /// changed row's primary key in `$1`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affected_keys: Option<String>,
+}
+
+impl Config {
+    /// Reads, interpolates, overrides, parses and validates a file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let env: Vec<(String, String)> = std::env::vars().collect();
+        Self::from_toml(&text, &path.display().to_string(), &env)
+    }
+
+    /// Parses and validates config text against an explicit environment.
+    pub fn from_toml(
+        text: &str,
+        origin: &str,
+        env: &[(String, String)],
+    ) -> Result<Config, ConfigError> {
+        let mut value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            path: origin.to_string(),
+            message: e.message().to_string(),
+        })?;
+        let invalid = |errors| ConfigError::Invalid {
+            path: origin.to_string(),
+            errors,
+        };
+        let lookup = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        let mut errors = Vec::new();
+        interpolate(&mut value, "", &lookup, &mut errors);
+        apply_overrides(&mut value, env, &mut errors);
+        if !errors.is_empty() {
+            return Err(invalid(errors));
+        }
+        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            invalid(vec![FieldError {
+                path: if path == "." { String::new() } else { path },
+                message: e.into_inner().to_string(),
+            }])
+        })?;
+        let errors = config.validate();
+        if errors.is_empty() {
+            Ok(config)
+        } else {
+            Err(invalid(errors))
+        }
+    }
+
+    /// Pure validation: no I/O. Returns every problem found.
+    pub fn validate(&self) -> Vec<FieldError> {
+        let mut v = Validator::default();
+        v.check(
+            is_simple_name(&self.name),
+            "name",
+            "must be 1-63 characters of a-z, 0-9, '_' or '-'",
+        );
+
+        let src = &self.source;
+        v.check_dsn(&src.url, "source.url");
+        v.check(
+            is_identifier(&src.slot),
+            "source.slot",
+            "must be 1-63 characters of a-z, 0-9 or '_' (Postgres slot name rules)",
+        );
+        v.check(
+            is_identifier(&src.publication),
+            "source.publication",
+            "must be 1-63 characters of a-z, 0-9 or '_'",
+        );
+        v.check(
+            !src.tables.is_empty(),
+            "source.tables",
+            "must list at least one table",
+        );
+        let mut seen = BTreeSet::new();
+        for (i, t) in src.tables.iter().enumerate() {
+            let path = format!("source.tables[{i}]");
+            if split_table(t).is_none() {
+                v.push(&path, format!("'{t}' must be written as schema.table"));
+            } else if !seen.insert(t.as_str()) {
+                v.push(&path, format!("'{t}' is listed twice"));
+            }
+        }
+        v.check(
+            (1..=64).contains(&src.snapshot.workers),
+            "source.snapshot.workers",
+            "must be between 1 and 64",
+        );
+        v.check(
+            src.snapshot.chunk_rows > 0,
+            "source.snapshot.chunk_rows",
+            "must be greater than 0",
+        );
+
+        let k = &self.kafka;
+        v.check(
+            !k.brokers.trim().is_empty(),
+            "kafka.brokers",
+            "must not be empty",
+        );
+        v.check(
+            is_topic_name(&k.topic_prefix),
+            "kafka.topic_prefix",
+            "must be 1-200 characters of a-z, A-Z, 0-9, '.', '_' or '-'",
+        );
+        v.check(k.partitions >= 1, "kafka.partitions", "must be at least 1");
+        v.check(
+            k.replication_factor >= 1,
+            "kafka.replication_factor",
+            "must be at least 1",
+        );
+        for key in k.properties.0.keys() {
+            if MANAGED_KAFKA_PROPERTIES.contains(&key.as_str()) {
+                v.push(
+                    &format!("kafka.properties.\"{key}\""),
+                    "is managed by pgcdc (its delivery guarantee depends on it); use kafka.brokers for the bootstrap servers".to_string(),
+                );
+            }
+        }
+
+        let r = &self.registry;
+        v.check(
+            r.url.expose().starts_with("http://") || r.url.expose().starts_with("https://"),
+            "registry.url",
+            "must be an http:// or https:// URL",
+        );
+        v.check(
+            r.password.is_none() || r.username.is_some(),
+            "registry.password",
+            "is set but registry.username is not",
+        );
+
+        if let Some(t) = &self.target {
+            v.check_dsn(&t.url, "target.url");
+            v.check(
+                is_identifier(&t.mirror_schema),
+                "target.mirror_schema",
+                "must be 1-63 characters of a-z, 0-9 or '_'",
+            );
+        }
+        if !self.read_models.is_empty() && self.target.is_none() {
+            v.push(
+                "target",
+                "is required when read_models are declared".to_string(),
+            );
+        }
+        for (name, rm) in &self.read_models {
+            let base = format!("read_models.{name}");
+            v.check(is_identifier(name), &base, "name must be a-z, 0-9 or '_'");
+            if split_table(&rm.table).is_none() {
+                v.push(
+                    &format!("{base}.table"),
+                    "must be written as schema.table".into(),
+                );
+            }
+            v.check(
+                !rm.key.is_empty(),
+                &format!("{base}.key"),
+                "must name at least one column",
+            );
+            v.check(
+                !rm.query.trim().is_empty(),
+                &format!("{base}.query"),
+                "must not be empty",
+            );
+            v.check(
+                !rm.sources.is_empty(),
+                &format!("{base}.sources"),
+                "must map at least one source table",
+            );
+            for (i, s) in rm.sources.iter().enumerate() {
+                let sp = format!("{base}.sources[{i}]");
+                if !src.tables.contains(&s.table) {
+                    v.push(
+                        &format!("{sp}.table"),
+                        format!("'{}' is not one of source.tables", s.table),
+                    );
+                }
+                match (&s.key_columns, &s.affected_keys) {
+                    (Some(cols), None) if cols.len() != rm.key.len() => v.push(
+                        &format!("{sp}.key_columns"),
+                        format!(
+                            "has {} columns but the key has {}",
+                            cols.len(),
+                            rm.key.len()
+                        ),
+                    ),
+                    (Some(_), None) | (None, Some(_)) => {}
+                    _ => v.push(
+                        &sp,
+                        "set exactly one of key_columns or affected_keys".into(),
+                    ),
+                }
+            }
+        }
+        v.errors
+    }
+
+    /// The changelog topic of a captured table.
+    pub fn topic_for(&self, table: &str) -> String {
+        format!("{}.{}", self.kafka.topic_prefix, table)
+    }
+
+    /// The effective config as TOML, with secrets redacted.
+    pub fn to_redacted_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}\n"))
+    }
+}
+
+#[derive(Default)]
+struct Validator {
+    errors: Vec<FieldError>,
+}
+
+impl Validator {
+    fn push(&mut self, path: &str, message: String) {
+        self.errors.push(FieldError {
+            path: path.to_string(),
+            message,
+        });
+    }
+
+    fn check(&mut self, ok: bool, path: &str, message: &str) {
+        if !ok {
+            self.push(path, message.to_string());
+        }
+    }
+
+    fn check_dsn(&mut self, dsn: &Dsn, path: &str) {
+        if let Err(e) = tokio_postgres::Config::from_str(dsn.expose()) {
+            // tokio-postgres's parse errors quote no values, so no secret leaks.
+            self.push(
+                path,
+                format!("is not a valid Postgres connection string: {e}"),
+            );
+        }
+    }
+}
+
+/// `schema.table` split in two, both non-empty identifiers.
+pub fn split_table(name: &str) -> Option<(&str, &str)> {
+    let (schema, table) = name.split_once('.')?;
+    (!schema.is_empty() && !table.is_empty() && !table.contains('.')).then_some((schema, table))
+}
+
+fn is_identifier(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+fn is_simple_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+}
+
+fn is_topic_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 200
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-')
+}
+
+fn join_path(base: &str, key: &str) -> String {
+    let simple = key
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    match (base.is_empty(), simple) {
+        (true, true) => key.to_string(),
+        (true, false) => format!("\"{key}\""),
+        (false, true) => format!("{base}.{key}"),
+        (false, false) => format!("{base}.\"{key}\""),
+    }
+}
+
+/// Replaces `${VAR}` and `${VAR:-default}` in every string value.
+fn interpolate(
+    value: &mut toml::Value,
+    path: &str,
+    lookup: &dyn Fn(&str) -> Option<String>,
+    errors: &mut Vec<FieldError>,
+) {
+    match value {
+        toml::Value::String(s) => match expand(s, lookup) {
+            Ok(expanded) => *s = expanded,
+            Err(message) => errors.push(FieldError {
+                path: path.to_string(),
+                message,
+            }),
+        },
+        toml::Value::Array(items) => {
+            for (i, item) in items.iter_mut().enumerate() {
+                interpolate(item, &format!("{path}[{i}]"), lookup, errors);
+            }
+        }
+        toml::Value::Table(table) => {
+            for (k, v) in table.iter_mut() {
+                interpolate(v, &join_path(path, k), lookup, errors);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn expand(s: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| "has an unterminated '${' reference".to_string())?;
+        let inner = &after[..end];
+        let (name, default) = match inner.split_once(":-") {
+            Some((n, d)) => (n, Some(d)),
+            None => (inner, None),
+        };
+        if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            return Err(format!("has an invalid variable reference '${{{inner}}}'"));
+        }
+        match (lookup(name).filter(|v| !v.is_empty()), default) {
+            (Some(v), _) => out.push_str(&v),
+            (None, Some(d)) => out.push_str(d),
+            (None, None) => {
+                return Err(format!(
+                    "environment variable {name} is not set (referenced as ${{{name}}}); for the local stack run: eval \"$(scripts/stack env)\""
+                ))
+            }
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Applies `PGCDC__A__B=value` overrides.
+fn apply_overrides(
+    value: &mut toml::Value,
+    env: &[(String, String)],
+    errors: &mut Vec<FieldError>,
+) {
+    for (name, raw) in env {
+        let Some(path) = name.strip_prefix(OVERRIDE_PREFIX) else {
+            continue;
+        };
+        let parts: Vec<String> = path.split("__").map(|p| p.to_ascii_lowercase()).collect();
+        if parts.iter().any(|p| p.is_empty()) {
+            errors.push(FieldError {
+                path: String::new(),
+                message: format!("environment override {name} has an empty path segment"),
+            });
+            continue;
+        }
+        let parsed = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+            .ok()
+            .and_then(|mut t| t.remove("v"))
+            .unwrap_or_else(|| toml::Value::String(raw.clone()));
+        let mut cursor = &mut *value;
+        for (i, part) in parts.iter().enumerate() {
+            let Some(table) = cursor.as_table_mut() else {
+                errors.push(FieldError {
+                    path: parts[..i].join("."),
+                    message: format!("environment override {name} descends into a non-table"),
+                });
+                break;
+            };
+            if i + 1 == parts.len() {
+                table.insert(part.clone(), parsed.clone());
+                break;
+            }
+            cursor = table
+                .entry(part.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+name = "shop"
+[source]
+url = "postgres://app:hunter2@127.0.0.1:5432/shop"
+slot = "pgcdc_shop"
+publication = "pgcdc_shop"
+tables = ["public.orders"]
+[kafka]
+brokers = "127.0.0.1:9092"
+topic_prefix = "shop"
+[registry]
+url = "http://127.0.0.1:8081"
+"#;
+
+    fn load(text: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_toml(text, "test.toml", &env)
+    }
+
+    fn paths(err: ConfigError) -> Vec<String> {
+        err.field_errors().iter().map(|e| e.path.clone()).collect()
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() -> Result<(), ConfigError> {
+        let c = load(MINIMAL, &[])?;
+        assert_eq!(c.source.snapshot.mode, SnapshotMode::Initial);
+        assert_eq!(c.source.snapshot.workers, DEFAULT_SNAPSHOT_WORKERS);
+        assert_eq!(c.kafka.partitions, DEFAULT_PARTITIONS);
+        assert_eq!(c.topic_for("public.orders"), "shop.public.orders");
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_nested_field_is_named_by_path() {
+        let text = MINIMAL.replace("[kafka]", "[kafka]\nbatch_size = 3");
+        let err = load(&text, &[]).err().map(paths);
+        assert_eq!(err, Some(vec!["kafka.batch_size".to_string()]));
+    }
+
+    #[test]
+    fn unknown_top_level_field_is_named() {
+        let text = format!("colour = \"red\"\n{MINIMAL}");
+        let err = load(&text, &[])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn validation_reports_every_bad_field() {
+        let text = MINIMAL
+            .replace(
+                "tables = [\"public.orders\"]",
+                "tables = [\"orders\", \"public.orders\", \"public.orders\"]",
+            )
+            .replace("slot = \"pgcdc_shop\"", "slot = \"Bad-Slot\"")
+            .replace(
+                "[kafka]",
+                "[kafka]\npartitions = 0\nproperties = { acks = \"1\" }",
+            );
+        let got = load(&text, &[]).err().map(paths).unwrap_or_default();
+        assert_eq!(
+            got,
+            vec![
+                "source.slot",
+                "source.tables[0]",
+                "source.tables[2]",
+                "kafka.partitions",
+                "kafka.properties.\"acks\""
+            ]
+        );
+    }
+
+    #[test]
+    fn variables_are_interpolated_with_defaults() -> Result<(), ConfigError> {
+        let text = MINIMAL.replace("127.0.0.1:9092", "${BROKERS}").replace(
+            "http://127.0.0.1:8081",
+            "${REGISTRY:-http://localhost:8081}",
+        );
+        let c = load(&text, &[("BROKERS", "b1:9092,b2:9092")])?;
+        assert_eq!(c.kafka.brokers, "b1:9092,b2:9092");
+        assert_eq!(c.registry.url.expose(), "http://localhost:8081");
+        Ok(())
+    }
+
+    #[test]
+    fn missing_variable_names_field_and_variable() {
+        let text = MINIMAL.replace("127.0.0.1:9092", "${NOPE_BROKERS}");
+        let err = load(&text, &[])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("kafka.brokers"), "{err}");
+        assert!(err.contains("NOPE_BROKERS"), "{err}");
+    }
+
+    #[test]
+    fn overrides_set_typed_values_by_path() -> Result<(), ConfigError> {
+        let c = load(
+            MINIMAL,
+            &[
+                ("PGCDC__KAFKA__PARTITIONS", "12"),
+                ("PGCDC__SOURCE__SNAPSHOT__MODE", "never"),
+                ("PGCDC__SOURCE__TABLES", "[\"public.a\", \"public.b\"]"),
+            ],
+        )?;
+        assert_eq!(c.kafka.partitions, 12);
+        assert_eq!(c.source.snapshot.mode, SnapshotMode::Never);
+        assert_eq!(c.source.tables, vec!["public.a", "public.b"]);
+        Ok(())
+    }
+
+    #[test]
+    fn override_of_unknown_field_is_rejected_by_path() {
+        let err = load(MINIMAL, &[("PGCDC__KAFKA__BATCH", "1")])
+            .err()
+            .map(paths);
+        assert_eq!(err, Some(vec!["kafka.batch".to_string()]));
+    }
+
+    #[test]
+    fn redacted_toml_hides_every_secret() -> Result<(), ConfigError> {
+        let text = MINIMAL.replace(
+            "[registry]\nurl = \"http://127.0.0.1:8081\"",
+            "[registry]\nurl = \"http://u:regpass@127.0.0.1:8081\"\nusername = \"u\"\npassword = \"regpass2\"",
+        ).replace("[kafka]", "[kafka]\nproperties = { \"sasl.password\" = \"kpass\", \"compression.type\" = \"zstd\" }");
+        let c = load(&text, &[])?;
+        let shown = c.to_redacted_toml();
+        for secret in ["hunter2", "regpass2", "kpass"] {
+            assert!(!shown.contains(secret), "{secret} leaked:\n{shown}");
+        }
+        assert!(shown.contains("zstd"));
+        assert!(!format!("{c:?}").contains("hunter2"));
+        Ok(())
+    }
+
+    #[test]
+    fn read_model_sources_must_be_captured_and_unambiguous() {
+        let text = format!(
+            r#"{MINIMAL}
+[target]
+url = "postgres://127.0.0.1/t"
+[read_models.order_summary]
+table = "read_models.order_summary"
+key = ["order_id"]
+query = "SELECT 1"
+sources = [
+  {{ table = "public.orders", key_columns = ["id"] }},
+  {{ table = "public.customers", key_columns = ["id"] }},
+  {{ table = "public.orders" }},
+]
+"#
+        );
+        let got = load(&text, &[]).err().map(paths).unwrap_or_default();
+        assert_eq!(
+            got,
+            vec![
+                "read_models.order_summary.sources[1].table",
+                "read_models.order_summary.sources[2]"
+            ]
+        );
+    }
+}

@@ -1,0 +1,221 @@
+//! `pgcdc check` against live systems: it passes on the demo schema and
+//! fails precisely on each broken prerequisite.
+
+use crate::support::{self, ConfigFile, ScratchCluster, TestDb};
+
+#[tokio::test]
+async fn check_passes_on_the_demo_schema() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "check_demo").await;
+    support::apply_sql_file(&db.client().await, "sql/demo/schema.sql").await;
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.customers", "public.orders"],
+    ));
+
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+
+    assert_eq!(
+        run.code,
+        0,
+        "check failed on the demo schema:\n{}",
+        run.all_output()
+    );
+    for check in [
+        "postgres.connect",
+        "postgres.wal_level",
+        "postgres.replication_slots",
+        "postgres.wal_senders",
+        "postgres.role",
+        "table.public.customers",
+        "table.public.orders",
+        "postgres.publication",
+        "postgres.slot",
+        "kafka.connect",
+        "registry.connect",
+    ] {
+        let line = run
+            .check_line(check)
+            .unwrap_or_else(|| panic!("no line for {check}:\n{}", run.stdout));
+        assert!(line.starts_with("PASS"), "{line}");
+    }
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn check_fails_when_wal_level_is_replica() {
+    let stack = support::stack();
+    let cluster = ScratchCluster::start(&["wal_level = replica"]);
+    let admin = support::connect(&cluster.url("postgres")).await;
+    admin
+        .batch_execute("CREATE TABLE public.t (id int PRIMARY KEY)")
+        .await
+        .expect("create table");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &cluster.url("postgres"),
+        "walcheck",
+        &["public.t"],
+    ));
+
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+
+    assert_eq!(run.code, 2, "{}", run.all_output());
+    let line = run.check_line("postgres.wal_level").unwrap_or_default();
+    assert!(
+        line.starts_with("FAIL")
+            && line.contains("wal_level is 'replica', logical decoding needs 'logical'"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("ALTER SYSTEM SET wal_level = logical"),
+        "{}",
+        run.stdout
+    );
+}
+
+#[tokio::test]
+async fn check_fails_on_a_table_without_primary_key() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "check_nopk").await;
+    db.client()
+        .await
+        .batch_execute("CREATE TABLE public.events_nopk (at timestamptz, body text)")
+        .await
+        .expect("create table");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.events_nopk"],
+    ));
+
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+
+    assert_eq!(run.code, 2, "{}", run.all_output());
+    let line = run
+        .check_line("table.public.events_nopk")
+        .unwrap_or_default();
+    assert!(
+        line.starts_with("FAIL")
+            && line.contains("public.events_nopk has no primary key and REPLICA IDENTITY DEFAULT"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout
+            .contains("ALTER TABLE public.events_nopk REPLICA IDENTITY USING INDEX"),
+        "{}",
+        run.stdout
+    );
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn check_fails_on_a_missing_select_grant() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "check_grant").await;
+    let role = support::unique("nogrant");
+    db.admin()
+        .await
+        .batch_execute(&format!(
+            "CREATE TABLE public.secrets (id int PRIMARY KEY, value text);
+             CREATE ROLE {role} LOGIN REPLICATION PASSWORD 'nogrant-pw';"
+        ))
+        .await
+        .expect("setup");
+    let url = support::with_user(&db.url, &role, "nogrant-pw");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &url,
+        &db.name,
+        &["public.secrets"],
+    ));
+
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+
+    assert_eq!(run.code, 2, "{}", run.all_output());
+    let line = run.check_line("table.public.secrets").unwrap_or_default();
+    assert!(
+        line.starts_with("FAIL")
+            && line.contains(&format!("role '{role}' lacks SELECT on public.secrets")),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout
+            .contains(&format!("GRANT SELECT ON public.secrets TO \"{role}\"")),
+        "{}",
+        run.stdout
+    );
+    // Nor can a role that owns none of the tables create the publication.
+    let publication = run.check_line("postgres.publication").unwrap_or_default();
+    assert!(
+        publication.starts_with("FAIL") && publication.contains("cannot create it"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        !run.all_output().contains("nogrant-pw"),
+        "password leaked:\n{}",
+        run.all_output()
+    );
+    db.admin()
+        .await
+        .batch_execute(&format!("DROP OWNED BY {role}"))
+        .await
+        .ok();
+    db.drop_db().await;
+    support::connect(&stack.admin_url)
+        .await
+        .batch_execute(&format!("DROP ROLE IF EXISTS {role}"))
+        .await
+        .ok();
+}
+
+#[tokio::test]
+async fn check_fails_on_unreachable_broker_and_registry_without_leaking_passwords() {
+    let stack = support::stack();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("port");
+    let toml = format!(
+        r#"name = "unreachable"
+[source]
+url = "postgres://pgcdc:very-secret-pw@127.0.0.1:{closed}/nowhere"
+slot = "s"
+publication = "p"
+tables = ["public.t"]
+[kafka]
+brokers = "127.0.0.1:{closed}"
+topic_prefix = "u"
+[registry]
+url = "http://127.0.0.1:{closed}"
+"#
+    );
+    let _ = stack;
+    let config = ConfigFile::write(&toml);
+
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+
+    assert_eq!(run.code, 2, "{}", run.all_output());
+    for check in ["postgres.connect", "kafka.connect", "registry.connect"] {
+        let line = run.check_line(check).unwrap_or_default();
+        assert!(line.starts_with("FAIL"), "{check}: {}", run.stdout);
+    }
+    assert!(
+        run.stdout
+            .contains(&format!("broker at 127.0.0.1:{closed} unreachable")),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        !run.all_output().contains("very-secret-pw"),
+        "password leaked:\n{}",
+        run.all_output()
+    );
+}

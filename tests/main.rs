@@ -1,0 +1,8 @@
+//! Integration tests against the real local stack (`scripts/test` brings it
+//! up). One binary; a module per area.
+
+mod support;
+
+mod check;
+mod registry;
+mod validate;

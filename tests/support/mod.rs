@@ -1,0 +1,450 @@
+//! Test support: the real local stack (`scripts/stack up`), fresh databases
+//! per test, scratch Postgres clusters, and running the `pgcdc` binary.
+//!
+//! Nothing here is a mock. Tests that need the stack fail loudly when its
+//! settings are missing rather than skipping.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use tokio_postgres::{Client, NoTls};
+
+/// Connection settings of the local stack, from `scripts/stack env`.
+#[derive(Debug, Clone)]
+pub struct Stack {
+    pub source_url: String,
+    pub target_url: String,
+    pub admin_url: String,
+    pub brokers: String,
+    pub registry_url: String,
+    pub pg_bindir: PathBuf,
+}
+
+fn var(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| {
+        panic!("{name} is not set: run the tests through scripts/test, or `scripts/stack up && eval \"$(scripts/stack env)\"` first")
+    })
+}
+
+pub fn stack() -> Stack {
+    Stack {
+        source_url: var("PGCDC_SOURCE_URL"),
+        target_url: var("PGCDC_TARGET_URL"),
+        admin_url: var("PGCDC_ADMIN_URL"),
+        brokers: var("PGCDC_KAFKA_BROKERS"),
+        registry_url: var("PGCDC_REGISTRY_URL"),
+        pg_bindir: PathBuf::from(var("PGCDC_PG_BINDIR")),
+    }
+}
+
+/// A name unique within this test run and across concurrent runs.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub async fn connect(url: &str) -> Client {
+    let (client, conn) = tokio_postgres::connect(url, NoTls)
+        .await
+        .unwrap_or_else(|e| panic!("connect to test Postgres: {e}"));
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    client
+}
+
+/// Replaces the database name at the end of a URL.
+pub fn with_database(url: &str, db: &str) -> String {
+    let base = url.rsplit_once('/').map(|(b, _)| b).unwrap_or(url);
+    format!("{base}/{db}")
+}
+
+/// Replaces user and password in a `postgres://user:pw@host/db` URL.
+pub fn with_user(url: &str, user: &str, password: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("URL form DSN");
+    let host = rest.split_once('@').map(|(_, h)| h).unwrap_or(rest);
+    format!("{scheme}://{user}:{password}@{host}")
+}
+
+/// A fresh database in the stack's cluster, owned by the stack's `pgcdc`
+/// role, so tests never see each other's tables, slots or publications.
+pub struct TestDb {
+    pub name: String,
+    /// URL as the `pgcdc` role.
+    pub url: String,
+    /// URL as the superuser, for setup the capture role may not do.
+    pub admin_url: String,
+    stack_admin_url: String,
+}
+
+impl TestDb {
+    pub async fn create(stack: &Stack, prefix: &str) -> TestDb {
+        let name = unique(prefix);
+        let admin = connect(&stack.admin_url).await;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name} OWNER pgcdc"))
+            .await
+            .unwrap_or_else(|e| panic!("create database {name}: {e}"));
+        TestDb {
+            url: with_database(&stack.source_url, &name),
+            admin_url: with_database(&stack.admin_url, &name),
+            stack_admin_url: stack.admin_url.clone(),
+            name,
+        }
+    }
+
+    pub async fn client(&self) -> Client {
+        connect(&self.url).await
+    }
+
+    pub async fn admin(&self) -> Client {
+        connect(&self.admin_url).await
+    }
+
+    /// Drops the database and any replication slot left in it.
+    pub async fn drop_db(self) {
+        let admin = connect(&self.stack_admin_url).await;
+        let _ = admin
+            .execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = $1",
+                &[&self.name],
+            )
+            .await;
+        let _ = admin
+            .batch_execute(&format!(
+                "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                self.name
+            ))
+            .await;
+    }
+}
+
+/// Applies a SQL file from the repository.
+pub async fn apply_sql_file(client: &Client, relative: &str) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
+    let sql = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {relative}: {e}"));
+    client
+        .batch_execute(&sql)
+        .await
+        .unwrap_or_else(|e| panic!("apply {relative}: {e}"));
+}
+
+/// What a `pgcdc` invocation printed and how it exited.
+#[derive(Debug)]
+pub struct Run {
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Run {
+    pub fn all_output(&self) -> String {
+        format!("{}{}", self.stdout, self.stderr)
+    }
+
+    /// The output line for one check, e.g. `line_for("postgres.wal_level")`.
+    pub fn check_line(&self, check: &str) -> Option<&str> {
+        self.stdout
+            .lines()
+            .find(|l| l.split_whitespace().nth(1) == Some(check))
+    }
+}
+
+impl From<Output> for Run {
+    fn from(o: Output) -> Run {
+        Run {
+            code: o.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    }
+}
+
+/// Runs the `pgcdc` binary built for this test run, with an environment
+/// free of the caller's `PGCDC__*` overrides.
+pub async fn pgcdc(args: &[&str]) -> Run {
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"));
+    cmd.args(args);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("PGCDC__") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.output()
+        .await
+        .unwrap_or_else(|e| panic!("run pgcdc {args:?}: {e}"))
+        .into()
+}
+
+/// A connector definition written to a temporary file.
+pub struct ConfigFile {
+    _dir: tempfile::TempDir,
+    pub path: PathBuf,
+}
+
+impl ConfigFile {
+    pub fn write(toml: &str) -> ConfigFile {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("pipeline.toml");
+        std::fs::write(&path, toml).expect("write config");
+        ConfigFile { _dir: dir, path }
+    }
+
+    pub fn arg(&self) -> &str {
+        self.path.to_str().expect("utf-8 temp path")
+    }
+}
+
+/// The minimal connector definition for a source database and tables.
+pub fn pipeline_toml(stack: &Stack, source_url: &str, name: &str, tables: &[&str]) -> String {
+    let tables = tables
+        .iter()
+        .map(|t| format!("\"{t}\""))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        r#"name = "{name}"
+[source]
+url = "{source_url}"
+slot = "{name}"
+publication = "{name}"
+tables = [{tables}]
+[kafka]
+brokers = "{brokers}"
+topic_prefix = "{name}"
+[registry]
+url = "{registry}"
+"#,
+        brokers = stack.brokers,
+        registry = stack.registry_url,
+    )
+}
+
+/// A throwaway Postgres cluster with settings of its own, for conditions
+/// the shared stack must not have (such as `wal_level=replica`).
+pub struct ScratchCluster {
+    dir: PathBuf,
+    bindir: PathBuf,
+    pub port: u16,
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn as_postgres(program: &Path) -> Command {
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(program);
+        c
+    } else {
+        Command::new(program)
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+fn run_ok(mut cmd: Command, what: &str) {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl ScratchCluster {
+    /// Initialises and starts a cluster; `conf` lines are appended to its
+    /// postgresql.conf. Trust authentication, superuser `postgres`.
+    pub fn start(conf: &[&str]) -> ScratchCluster {
+        let stack = stack();
+        let dir = std::env::temp_dir().join(unique("pgcdc_scratch"));
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        if is_root() {
+            run_ok(
+                {
+                    let mut c = Command::new("chown");
+                    c.arg("postgres:").arg(&dir);
+                    c
+                },
+                "chown scratch dir",
+            );
+        }
+        let port = free_port();
+        let data = dir.join("data");
+        let mut initdb = as_postgres(&stack.pg_bindir.join("initdb"));
+        initdb.arg("-D").arg(&data).args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--locale=C",
+        ]);
+        run_ok(initdb, "initdb scratch cluster");
+        let mut settings = format!(
+            "listen_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{}'\nfsync = off\nshared_buffers = 16MB\nmax_connections = 20\n",
+            dir.display()
+        );
+        for line in conf {
+            settings.push_str(line);
+            settings.push('\n');
+        }
+        let conf_path = data.join("postgresql.conf");
+        let mut existing = std::fs::read_to_string(&conf_path).expect("read postgresql.conf");
+        existing.push_str(&settings);
+        std::fs::write(&conf_path, existing).expect("write postgresql.conf");
+        let mut start = as_postgres(&stack.pg_bindir.join("pg_ctl"));
+        start
+            .arg("-D")
+            .arg(&data)
+            .arg("-l")
+            .arg(dir.join("log"))
+            .args(["-w", "-t", "60", "start"]);
+        run_ok(start, "start scratch cluster");
+        ScratchCluster {
+            dir,
+            bindir: stack.pg_bindir,
+            port,
+        }
+    }
+
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+}
+
+impl Drop for ScratchCluster {
+    fn drop(&mut self) {
+        let mut stop = as_postgres(&self.bindir.join("pg_ctl"));
+        stop.arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "immediate", "-w", "stop"]);
+        let _ = stop.output();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A `pgcdc registry` process of a test's own, on a free port.
+pub struct RegistryProcess {
+    child: std::process::Child,
+    pub url: String,
+    port: u16,
+    store: String,
+}
+
+impl RegistryProcess {
+    pub async fn start(store: &str) -> RegistryProcess {
+        let port = free_port();
+        let child = Command::new(env!("CARGO_BIN_EXE_pgcdc"))
+            .args([
+                "registry",
+                "--listen",
+                &format!("127.0.0.1:{port}"),
+                "--store",
+                store,
+            ])
+            .env_remove("PGCDC_REGISTRY_BASIC_AUTH")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("spawn pgcdc registry");
+        let mut p = RegistryProcess {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            port,
+            store: store.to_string(),
+        };
+        p.wait_ready().await;
+        p
+    }
+
+    /// Polls until the registry answers `GET /config`, or panics after 30 s.
+    pub async fn wait_ready(&mut self) {
+        let client = reqwest::Client::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("registry exited early with {status}");
+            }
+            if client
+                .get(format!("{}/config", self.url))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "registry on port {} not ready",
+                self.port
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Kills the process (SIGKILL) and starts it again on the same port and store.
+    pub async fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = Command::new(env!("CARGO_BIN_EXE_pgcdc"))
+            .args([
+                "registry",
+                "--listen",
+                &format!("127.0.0.1:{}", self.port),
+                "--store",
+                &self.store,
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("respawn pgcdc registry");
+        self.wait_ready().await;
+    }
+}
+
+impl Drop for RegistryProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Creates a topic on the stack's broker with the given configs.
+pub async fn create_topic(stack: &Stack, name: &str, configs: &[(&str, &str)]) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &stack.brokers)
+        .create()
+        .expect("admin client");
+    let mut topic = NewTopic::new(name, 1, TopicReplication::Fixed(1));
+    for (k, v) in configs {
+        topic = topic.set(k, v);
+    }
+    let results = admin
+        .create_topics([&topic], &AdminOptions::new())
+        .await
+        .expect("create topics");
+    for r in results {
+        r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
+    }
+}
