@@ -219,3 +219,85 @@ url = "http://127.0.0.1:{closed}"
         run.all_output()
     );
 }
+
+#[tokio::test]
+async fn check_reports_existing_slot_publication_and_replica_identity() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "check_state").await;
+    let client = db.client().await;
+    support::apply_sql_file(&client, "sql/demo/schema.sql").await;
+    // One statement per call: a slot cannot be created in a transaction
+    // that has written.
+    for sql in [
+        "ALTER TABLE public.customers REPLICA IDENTITY FULL".to_string(),
+        format!("CREATE PUBLICATION {} FOR TABLE public.customers", db.name),
+        format!(
+            "SELECT pg_create_logical_replication_slot('{}', 'pgoutput')",
+            db.name
+        ),
+        format!(
+            "SELECT pg_create_logical_replication_slot('{}_td', 'test_decoding')",
+            db.name
+        ),
+    ] {
+        client
+            .batch_execute(&sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.customers", "public.orders"],
+    ));
+
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+
+    assert_eq!(run.code, 2, "{}", run.all_output());
+    let line = |c: &str| run.check_line(c).unwrap_or_default().to_string();
+    assert!(
+        line("table.public.customers").starts_with("WARN"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        line("table.public.customers").contains("REPLICA IDENTITY FULL"),
+        "{}",
+        run.stdout
+    );
+    let publication = line("postgres.publication");
+    assert!(
+        publication.starts_with("FAIL") && publication.contains("does not cover public.orders"),
+        "{}",
+        run.stdout
+    );
+    assert!(run.stdout.contains(&format!(
+        "ALTER PUBLICATION {} ADD TABLE public.orders",
+        db.name
+    )));
+    let slot = line("postgres.slot");
+    assert!(
+        slot.starts_with("PASS")
+            && slot.contains("is healthy: confirmed_flush_lsn=")
+            && slot.contains("wal_status=reserved"),
+        "{}",
+        run.stdout
+    );
+
+    // A slot of another plugin under our name is refused.
+    let wrong_plugin = support::pipeline_toml(&stack, &db.url, &db.name, &["public.customers"])
+        .replace(
+            &format!("slot = \"{}\"", db.name),
+            &format!("slot = \"{}_td\"", db.name),
+        );
+    let config = ConfigFile::write(&wrong_plugin);
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+    let slot = run.check_line("postgres.slot").unwrap_or_default();
+    assert!(
+        slot.starts_with("FAIL") && slot.contains("plugin 'test_decoding'"),
+        "{}",
+        run.stdout
+    );
+    db.drop_db().await;
+}
