@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
 use rdkafka::client::DefaultClientContext;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
 
 use crate::config::{split_table, Config};
 use crate::secret::Dsn;
@@ -136,19 +136,8 @@ pub async fn run(config: &Config) -> Report {
     report
 }
 
-/// Connects without TLS and drives the connection on a named task.
-pub async fn connect(dsn: &Dsn) -> Result<Client, tokio_postgres::Error> {
-    let (client, connection) = tokio_postgres::connect(dsn.expose(), NoTls).await?;
-    tokio::spawn(async move {
-        if let Err(e) = connection.await {
-            tracing::debug!(error = %e, "postgres connection closed");
-        }
-    });
-    Ok(client)
-}
-
 async fn connect_timed(dsn: &Dsn) -> Result<Client, String> {
-    match tokio::time::timeout(CHECK_TIMEOUT, connect(dsn)).await {
+    match tokio::time::timeout(CHECK_TIMEOUT, crate::source::connect(dsn)).await {
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err(format!("no answer within {}s", CHECK_TIMEOUT.as_secs())),
@@ -518,10 +507,7 @@ async fn check_slot(
     let retained: Option<i64> = row.get(7);
     let lag: Option<i64> = row.get(8);
     let confirmed: String = row.get(9);
-    let recovery = format!(
-        "recover with a new slot and a re-snapshot: SELECT pg_drop_replication_slot('{}'), then start the connector again (snapshot mode initial)",
-        src.slot
-    );
+    let recovery = crate::source::slot::recovery_hint(&src.slot);
     if slot_type != "logical" || plugin != "pgoutput" {
         r.fail(
             name,

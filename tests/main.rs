@@ -5,4 +5,5 @@ mod support;
 
 mod check;
 mod registry;
+mod slot;
 mod validate;

@@ -1,5 +1,22 @@
 //! The Postgres side of the connector.
 //!
 //! - [`pgoutput`]: decoding of logical replication messages.
+//! - [`slot`]: replication slot and publication management.
 
 pub mod pgoutput;
+pub mod slot;
+
+use tokio_postgres::{Client, NoTls};
+
+use crate::secret::Dsn;
+
+/// Connects without TLS and drives the connection on its own task.
+pub async fn connect(dsn: &Dsn) -> Result<Client, tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(dsn.expose(), NoTls).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "postgres connection closed");
+        }
+    });
+    Ok(client)
+}
