@@ -1,0 +1,658 @@
+//! Postgres types to Avro: the schema of a column and the conversion of a
+//! value from Postgres's text output format.
+//!
+//! Guarantee: a value is never silently changed. Each type maps to a
+//! standard Avro type or logical type; a value that the logical type cannot
+//! express (numeric `NaN`, `±Infinity`, timestamp and date `±infinity`)
+//! travels in a `string` branch of the union with Postgres's own text.
+//! Types without a dedicated mapping travel as their exact Postgres text,
+//! with the type named in the schema property `pgcdc.type`. Text that does
+//! not parse as its type is an error naming the type, never a guess.
+//!
+//! Sessions that produce the text run with `DateStyle=ISO`,
+//! `TimeZone=UTC`, `IntervalStyle=postgres` and `extra_float_digits=3`, the
+//! formats parsed here ([`SESSION_SETTINGS`]).
+
+use apache_avro::types::Value;
+use serde_json::{json, Value as Json};
+
+/// Session settings under which the text formats below are produced.
+pub const SESSION_SETTINGS: &[(&str, &str)] = &[
+    ("DateStyle", "ISO"),
+    ("TimeZone", "UTC"),
+    ("IntervalStyle", "postgres"),
+    ("extra_float_digits", "3"),
+];
+
+/// How a Postgres type is carried in Avro.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    Bool,
+    Int16,
+    Int32,
+    Int64,
+    Float32,
+    Float64,
+    /// `numeric(p, s)`.
+    Decimal {
+        precision: u32,
+        scale: u32,
+    },
+    /// `numeric` without a typmod: any scale.
+    VariableDecimal,
+    Text,
+    Bytes,
+    Uuid,
+    Date,
+    Time,
+    Timestamp,
+    TimestampTz,
+    Json,
+    /// Carried as the exact Postgres text; the type name is kept.
+    Other(String),
+}
+
+impl Kind {
+    /// The kind for a type oid and modifier; `type_name` names types
+    /// without a dedicated mapping.
+    pub fn of(oid: u32, typmod: i32, type_name: &str) -> Kind {
+        match oid {
+            16 => Kind::Bool,
+            21 => Kind::Int16,
+            23 => Kind::Int32,
+            20 => Kind::Int64,
+            26 => Kind::Int64, // oid is unsigned 32-bit
+            700 => Kind::Float32,
+            701 => Kind::Float64,
+            1700 if typmod >= 4 => {
+                let t = (typmod - 4) as u32;
+                Kind::Decimal {
+                    precision: (t >> 16) & 0xFFFF,
+                    scale: t & 0x7FF,
+                }
+            }
+            1700 => Kind::VariableDecimal,
+            25 | 1043 | 1042 | 19 | 18 => Kind::Text,
+            17 => Kind::Bytes,
+            2950 => Kind::Uuid,
+            1082 => Kind::Date,
+            1083 => Kind::Time,
+            1114 => Kind::Timestamp,
+            1184 => Kind::TimestampTz,
+            114 | 3802 => Kind::Json,
+            _ => Kind::Other(type_name.to_string()),
+        }
+    }
+
+    /// Whether some values of this kind travel in the special `string` branch.
+    pub fn has_specials(&self) -> bool {
+        matches!(
+            self,
+            Kind::Decimal { .. }
+                | Kind::VariableDecimal
+                | Kind::Date
+                | Kind::Timestamp
+                | Kind::TimestampTz
+        )
+    }
+}
+
+/// Tracks named Avro types already defined in one schema document, so a
+/// second use is a reference by full name.
+#[derive(Debug, Default)]
+pub struct Names(std::collections::BTreeSet<String>);
+
+impl Names {
+    /// The definition the first time, the full name afterwards.
+    pub fn named(&mut self, full_name: &str, definition: Json) -> Json {
+        if self.0.insert(full_name.to_string()) {
+            definition
+        } else {
+            Json::String(full_name.to_string())
+        }
+    }
+}
+
+pub const VARIABLE_DECIMAL: &str = "io.debezium.data.VariableScaleDecimal";
+pub const UNCHANGED: &str = "io.pgcdc.data.Unchanged";
+pub const UNCHANGED_SYMBOL: &str = "UNCHANGED_TOAST";
+
+/// The Avro type of a non-null value of `kind` (without specials).
+pub fn base_schema(kind: &Kind, names: &mut Names) -> Json {
+    match kind {
+        Kind::Bool => json!("boolean"),
+        Kind::Int16 => json!({"type": "int", "connect.type": "int16"}),
+        Kind::Int32 => json!("int"),
+        Kind::Int64 => json!("long"),
+        Kind::Float32 => json!("float"),
+        Kind::Float64 => json!("double"),
+        Kind::Decimal { precision, scale } => json!({
+            "type": "bytes", "logicalType": "decimal", "precision": precision, "scale": scale,
+            "connect.name": "org.apache.kafka.connect.data.Decimal",
+            "connect.parameters": {"scale": scale.to_string(), "connect.decimal.precision": precision.to_string()}
+        }),
+        Kind::VariableDecimal => names.named(
+            VARIABLE_DECIMAL,
+            json!({
+                "type": "record", "name": "VariableScaleDecimal", "namespace": "io.debezium.data",
+                "fields": [{"name": "scale", "type": "int"}, {"name": "value", "type": "bytes"}],
+                "connect.name": VARIABLE_DECIMAL
+            }),
+        ),
+        Kind::Text => json!("string"),
+        Kind::Bytes => json!("bytes"),
+        Kind::Uuid => {
+            json!({"type": "string", "logicalType": "uuid", "connect.name": "io.debezium.data.Uuid"})
+        }
+        Kind::Date => {
+            json!({"type": "int", "logicalType": "date", "connect.name": "io.debezium.time.Date"})
+        }
+        Kind::Time => {
+            json!({"type": "long", "logicalType": "time-micros", "connect.name": "io.debezium.time.MicroTime"})
+        }
+        Kind::Timestamp => json!({
+            "type": "long", "logicalType": "local-timestamp-micros",
+            "connect.name": "io.debezium.time.MicroTimestamp"
+        }),
+        Kind::TimestampTz => json!({"type": "long", "logicalType": "timestamp-micros"}),
+        Kind::Json => json!({"type": "string", "connect.name": "io.debezium.data.Json"}),
+        Kind::Other(name) => json!({"type": "string", "pgcdc.type": name}),
+    }
+}
+
+/// Where a column's value sits in its union.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    pub nullable: bool,
+    pub specials: bool,
+    pub unchanged: bool,
+}
+
+impl Layout {
+    fn value_index(&self) -> u32 {
+        u32::from(self.nullable)
+    }
+    fn special_index(&self) -> u32 {
+        self.value_index() + 1
+    }
+    fn unchanged_index(&self) -> u32 {
+        self.value_index() + 1 + u32::from(self.specials)
+    }
+    fn is_union(&self) -> bool {
+        self.nullable || self.specials || self.unchanged
+    }
+}
+
+/// The full Avro type of a column: `["null", T, "string"?, Unchanged?]`,
+/// or plain `T` for a non-null column without specials or marker.
+pub fn column_schema(kind: &Kind, layout: &Layout, names: &mut Names) -> Json {
+    let base = base_schema(kind, names);
+    if !layout.is_union() {
+        return base;
+    }
+    let mut branches = Vec::new();
+    if layout.nullable {
+        branches.push(json!("null"));
+    }
+    branches.push(base);
+    if layout.specials {
+        branches.push(json!("string"));
+    }
+    if layout.unchanged {
+        branches.push(names.named(
+            UNCHANGED,
+            json!({
+                "type": "enum", "name": "Unchanged", "namespace": "io.pgcdc.data",
+                "symbols": [UNCHANGED_SYMBOL],
+                "doc": "An unchanged TOASTed value: Postgres did not write it to the WAL. Keep the previous value."
+            }),
+        ));
+    }
+    Json::Array(branches)
+}
+
+/// A column value as it arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Input<'a> {
+    Null,
+    Unchanged,
+    Text(&'a [u8]),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConvertError {
+    #[error("value does not parse as {kind}")]
+    Unparsable { kind: String },
+    #[error("NULL in a column declared NOT NULL or in the key")]
+    UnexpectedNull,
+    #[error("an unchanged TOAST marker where the schema has none")]
+    UnexpectedUnchanged,
+}
+
+/// Converts one column value into its Avro union value.
+pub fn convert(kind: &Kind, layout: &Layout, input: Input<'_>) -> Result<Value, ConvertError> {
+    let wrap = |index: u32, v: Value| {
+        if layout.is_union() {
+            Value::Union(index, Box::new(v))
+        } else {
+            v
+        }
+    };
+    match input {
+        Input::Null if layout.nullable => Ok(Value::Union(0, Box::new(Value::Null))),
+        Input::Null => Err(ConvertError::UnexpectedNull),
+        Input::Unchanged if layout.unchanged => Ok(Value::Union(
+            layout.unchanged_index(),
+            Box::new(Value::Enum(0, UNCHANGED_SYMBOL.to_string())),
+        )),
+        Input::Unchanged => Err(ConvertError::UnexpectedUnchanged),
+        Input::Text(bytes) => {
+            let bad = || ConvertError::Unparsable {
+                kind: format!("{kind:?}"),
+            };
+            let text = std::str::from_utf8(bytes).map_err(|_| bad())?;
+            if kind.has_specials() && is_special(kind, text) {
+                return if layout.specials {
+                    Ok(wrap(
+                        layout.special_index(),
+                        Value::String(text.to_string()),
+                    ))
+                } else {
+                    Err(bad())
+                };
+            }
+            let v = parse(kind, text).ok_or_else(bad)?;
+            Ok(wrap(layout.value_index(), v))
+        }
+    }
+}
+
+fn is_special(kind: &Kind, text: &str) -> bool {
+    match kind {
+        Kind::Decimal { .. } | Kind::VariableDecimal => {
+            matches!(text, "NaN" | "Infinity" | "-Infinity")
+        }
+        _ => matches!(text, "infinity" | "-infinity"),
+    }
+}
+
+fn parse(kind: &Kind, text: &str) -> Option<Value> {
+    Some(match kind {
+        Kind::Bool => match text {
+            "t" => Value::Boolean(true),
+            "f" => Value::Boolean(false),
+            _ => return None,
+        },
+        Kind::Int16 => Value::Int(i32::from(text.parse::<i16>().ok()?)),
+        Kind::Int32 => Value::Int(text.parse().ok()?),
+        Kind::Int64 => Value::Long(text.parse().ok()?),
+        Kind::Float32 => Value::Float(text.parse().ok()?),
+        Kind::Float64 => Value::Double(text.parse().ok()?),
+        Kind::Decimal { scale, .. } => {
+            let (unscaled, s) = unscaled_digits(text)?;
+            if s > *scale {
+                return None;
+            }
+            let padded = format!("{unscaled}{}", "0".repeat((*scale - s) as usize));
+            Value::Decimal(apache_avro::Decimal::from(twos_complement(&padded)?))
+        }
+        Kind::VariableDecimal => {
+            let (unscaled, s) = unscaled_digits(text)?;
+            Value::Record(vec![
+                ("scale".into(), Value::Int(i32::try_from(s).ok()?)),
+                ("value".into(), Value::Bytes(twos_complement(&unscaled)?)),
+            ])
+        }
+        Kind::Text | Kind::Json | Kind::Other(_) => Value::String(text.to_string()),
+        Kind::Bytes => Value::Bytes(parse_bytea(text)?),
+        Kind::Uuid => Value::Uuid(text.parse().ok()?),
+        Kind::Date => Value::Date(i32::try_from(parse_date(text)?).ok()?),
+        Kind::Time => Value::TimeMicros(parse_time(text)?),
+        Kind::Timestamp => Value::LocalTimestampMicros(parse_timestamp(text, false)?),
+        Kind::TimestampTz => Value::TimestampMicros(parse_timestamp(text, true)?),
+    })
+}
+
+/// `-12.340` → (`-12340`, 3): the digits without the point, and the scale.
+fn unscaled_digits(text: &str) -> Option<(String, u32)> {
+    let (neg, body) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (int, frac) = body.split_once('.').unwrap_or((body, ""));
+    if int.is_empty()
+        || !int.bytes().all(|b| b.is_ascii_digit())
+        || !frac.bytes().all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let sign = if neg { "-" } else { "" };
+    Some((
+        format!("{sign}{int}{frac}"),
+        u32::try_from(frac.len()).ok()?,
+    ))
+}
+
+/// A decimal integer string as minimal big-endian two's complement bytes.
+fn twos_complement(decimal: &str) -> Option<Vec<u8>> {
+    let (neg, digits) = match decimal.strip_prefix('-') {
+        Some(d) => (true, d),
+        None => (false, decimal),
+    };
+    // Magnitude in base 256, little-endian, by repeated multiply-add.
+    let mut mag: Vec<u8> = vec![0];
+    for d in digits.bytes() {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        let mut carry = u32::from(d - b'0');
+        for limb in mag.iter_mut() {
+            let v = u32::from(*limb) * 10 + carry;
+            *limb = (v & 0xFF) as u8;
+            carry = v >> 8;
+        }
+        while carry > 0 {
+            mag.push((carry & 0xFF) as u8);
+            carry >>= 8;
+        }
+    }
+    // Room for the sign bit.
+    mag.push(0);
+    if neg {
+        let mut carry = 1u16;
+        for limb in mag.iter_mut() {
+            let v = u16::from(!*limb) + carry;
+            *limb = (v & 0xFF) as u8;
+            carry = v >> 8;
+        }
+    }
+    mag.reverse();
+    // Drop redundant sign-extension bytes.
+    while mag.len() > 1 {
+        let (a, b) = (mag[0], mag[1]);
+        if (a == 0 && b & 0x80 == 0) || (a == 0xFF && b & 0x80 != 0) {
+            mag.remove(0);
+        } else {
+            break;
+        }
+    }
+    Some(mag)
+}
+
+/// `\x` hex format (the default `bytea_output`).
+fn parse_bytea(text: &str) -> Option<Vec<u8>> {
+    let hex = text.strip_prefix("\\x")?;
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Days from 1970-01-01 of a proleptic Gregorian date (astronomical years).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// `YYYY-MM-DD[ BC]`.
+fn parse_date(text: &str) -> Option<i64> {
+    let (body, bc) = match text.strip_suffix(" BC") {
+        Some(b) => (b, true),
+        None => (text, false),
+    };
+    let mut parts = body.splitn(3, '-');
+    let y: i64 = parts.next()?.parse().ok()?;
+    let m: i64 = parts.next()?.parse().ok()?;
+    let d: i64 = parts.next()?.parse().ok()?;
+    if !(1..=12).contains(&m) || !(1..=31).contains(&d) {
+        return None;
+    }
+    // 1 BC is astronomical year 0.
+    let year = if bc { 1 - y } else { y };
+    Some(days_from_civil(year, m, d))
+}
+
+/// `HH:MM:SS[.ffffff]` → microseconds since midnight (24:00:00 allowed).
+fn parse_time(text: &str) -> Option<i64> {
+    let mut parts = text.splitn(3, ':');
+    let h: i64 = parts.next()?.parse().ok()?;
+    let m: i64 = parts.next()?.parse().ok()?;
+    let sec = parts.next()?;
+    let (s, frac) = sec.split_once('.').unwrap_or((sec, ""));
+    let s: i64 = s.parse().ok()?;
+    if frac.len() > 6 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let micros: i64 = if frac.is_empty() {
+        0
+    } else {
+        format!("{frac:0<6}").parse().ok()?
+    };
+    if h > 24 || m > 59 || s > 60 {
+        return None;
+    }
+    Some(((h * 60 + m) * 60 + s) * 1_000_000 + micros)
+}
+
+/// `YYYY-MM-DD HH:MM:SS[.ffffff][+HH[:MM[:SS]]][ BC]` → microseconds since
+/// the epoch (UTC when `with_zone`).
+fn parse_timestamp(text: &str, with_zone: bool) -> Option<i64> {
+    let (body, bc) = match text.strip_suffix(" BC") {
+        Some(b) => (b, true),
+        None => (text, false),
+    };
+    let (date, rest) = body.split_once(' ')?;
+    let (time, offset_secs) = if with_zone {
+        let at = rest.rfind(['+', '-'])?;
+        let (t, z) = rest.split_at(at);
+        let sign = if z.starts_with('-') { -1 } else { 1 };
+        let mut zp = z[1..].split(':');
+        let zh: i64 = zp.next()?.parse().ok()?;
+        let zm: i64 = zp.next().map(|v| v.parse().ok()).unwrap_or(Some(0))?;
+        let zs: i64 = zp.next().map(|v| v.parse().ok()).unwrap_or(Some(0))?;
+        (t, sign * (zh * 3600 + zm * 60 + zs))
+    } else {
+        (rest, 0)
+    };
+    let days = parse_date(&if bc {
+        format!("{date} BC")
+    } else {
+        date.to_string()
+    })?;
+    let micros = parse_time(time)?;
+    days.checked_mul(86_400_000_000)?
+        .checked_add(micros)?
+        .checked_sub(offset_secs * 1_000_000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn nullable(specials: bool, unchanged: bool) -> Layout {
+        Layout {
+            nullable: true,
+            specials,
+            unchanged,
+        }
+    }
+
+    fn conv(kind: &Kind, text: &str) -> Result<Value, ConvertError> {
+        convert(
+            kind,
+            &nullable(kind.has_specials(), false),
+            Input::Text(text.as_bytes()),
+        )
+    }
+
+    fn inner(v: Result<Value, ConvertError>) -> Value {
+        match v {
+            Ok(Value::Union(_, b)) => *b,
+            other => panic!("not a union value: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn numeric_typmod_gives_precision_and_scale() {
+        // numeric(12,2): typmod = ((12 << 16) | 2) + 4
+        assert_eq!(
+            Kind::of(1700, (12 << 16 | 2) + 4, "numeric"),
+            Kind::Decimal {
+                precision: 12,
+                scale: 2
+            }
+        );
+        assert_eq!(Kind::of(1700, -1, "numeric"), Kind::VariableDecimal);
+        assert_eq!(Kind::of(869, -1, "inet"), Kind::Other("inet".into()));
+    }
+
+    #[test]
+    fn twos_complement_matches_java_bigdecimal_unscaled_bytes() {
+        assert_eq!(twos_complement("0"), Some(vec![0x00]));
+        assert_eq!(twos_complement("127"), Some(vec![0x7F]));
+        assert_eq!(twos_complement("128"), Some(vec![0x00, 0x80]));
+        assert_eq!(twos_complement("-1"), Some(vec![0xFF]));
+        assert_eq!(twos_complement("-128"), Some(vec![0x80]));
+        assert_eq!(twos_complement("-129"), Some(vec![0xFF, 0x7F]));
+        assert_eq!(twos_complement("12050"), Some(vec![0x2F, 0x12]));
+        // Beyond 128 bits: 10^40.
+        let big = twos_complement(&format!("1{}", "0".repeat(40))).unwrap_or_default();
+        assert_eq!(big.len(), 17);
+    }
+
+    #[test]
+    fn decimals_are_rescaled_to_the_column_scale_and_nan_is_kept() {
+        let k = Kind::Decimal {
+            precision: 12,
+            scale: 2,
+        };
+        assert_eq!(
+            inner(conv(&k, "120.5")),
+            Value::Decimal(apache_avro::Decimal::from(vec![0x2F, 0x12]))
+        );
+        assert_eq!(
+            conv(&k, "NaN"),
+            Ok(Value::Union(2, Box::new(Value::String("NaN".into()))))
+        );
+        assert!(
+            conv(&k, "1.234").is_err(),
+            "more digits than the scale is not silently rounded"
+        );
+        let v = Kind::VariableDecimal;
+        assert_eq!(
+            inner(conv(&v, "-0.001")),
+            Value::Record(vec![
+                ("scale".into(), Value::Int(3)),
+                ("value".into(), Value::Bytes(vec![0xFF]))
+            ])
+        );
+        assert_eq!(
+            conv(&v, "-Infinity"),
+            Ok(Value::Union(2, Box::new(Value::String("-Infinity".into()))))
+        );
+    }
+
+    #[test]
+    fn dates_and_timestamps_convert_including_bc_and_infinity() {
+        assert_eq!(inner(conv(&Kind::Date, "1970-01-02")), Value::Date(1));
+        assert_eq!(inner(conv(&Kind::Date, "2000-03-01")), Value::Date(11_017));
+        assert_eq!(
+            inner(conv(&Kind::Date, "0001-12-31 BC")),
+            Value::Date(-719_163)
+        );
+        assert_eq!(
+            conv(&Kind::Date, "infinity"),
+            Ok(Value::Union(2, Box::new(Value::String("infinity".into()))))
+        );
+        assert_eq!(
+            inner(conv(&Kind::TimestampTz, "2024-01-31 12:00:00.5+00")),
+            Value::TimestampMicros(1_706_702_400_500_000)
+        );
+        assert_eq!(
+            inner(conv(&Kind::TimestampTz, "2024-01-31 17:30:00+05:30")),
+            Value::TimestampMicros(1_706_702_400_000_000)
+        );
+        assert_eq!(
+            inner(conv(&Kind::Timestamp, "1969-12-31 23:59:59.999999")),
+            Value::LocalTimestampMicros(-1)
+        );
+        assert_eq!(
+            inner(conv(&Kind::Time, "24:00:00")),
+            Value::TimeMicros(86_400_000_000)
+        );
+        assert!(conv(&Kind::Date, "31/01/2024").is_err());
+    }
+
+    #[test]
+    fn scalars_convert_exactly() {
+        assert_eq!(inner(conv(&Kind::Bool, "t")), Value::Boolean(true));
+        assert_eq!(inner(conv(&Kind::Int16, "-32768")), Value::Int(-32768));
+        assert!(conv(&Kind::Int16, "32768").is_err());
+        assert_eq!(
+            inner(conv(&Kind::Int64, "9223372036854775807")),
+            Value::Long(i64::MAX)
+        );
+        assert!(matches!(inner(conv(&Kind::Float64, "NaN")), Value::Double(d) if d.is_nan()));
+        assert_eq!(
+            inner(conv(&Kind::Float32, "-Infinity")),
+            Value::Float(f32::NEG_INFINITY)
+        );
+        assert_eq!(inner(conv(&Kind::Float64, "0.1")), Value::Double(0.1));
+        assert_eq!(
+            inner(conv(&Kind::Bytes, "\\x00ff")),
+            Value::Bytes(vec![0, 255])
+        );
+        assert!(conv(&Kind::Bytes, "\\x0").is_err());
+        assert_eq!(
+            inner(conv(&Kind::Other("inet".into()), "10.0.0.1/8")),
+            Value::String("10.0.0.1/8".into())
+        );
+    }
+
+    #[test]
+    fn null_and_unchanged_toast_stay_distinct() {
+        let layout = nullable(false, true);
+        assert_eq!(
+            convert(&Kind::Text, &layout, Input::Null),
+            Ok(Value::Union(0, Box::new(Value::Null)))
+        );
+        assert_eq!(
+            convert(&Kind::Text, &layout, Input::Unchanged),
+            Ok(Value::Union(
+                2,
+                Box::new(Value::Enum(0, UNCHANGED_SYMBOL.into()))
+            ))
+        );
+        let key = Layout {
+            nullable: false,
+            specials: false,
+            unchanged: false,
+        };
+        assert_eq!(
+            convert(&Kind::Int64, &key, Input::Null),
+            Err(ConvertError::UnexpectedNull)
+        );
+        assert_eq!(
+            convert(&Kind::Int64, &key, Input::Text(b"7")),
+            Ok(Value::Long(7))
+        );
+    }
+
+    #[test]
+    fn named_types_are_defined_once_then_referenced() {
+        let mut names = Names::default();
+        let first = column_schema(&Kind::VariableDecimal, &nullable(true, true), &mut names);
+        let second = column_schema(&Kind::VariableDecimal, &nullable(true, true), &mut names);
+        assert!(first[1].is_object() && first[3].is_object());
+        assert_eq!(second[1], json!(VARIABLE_DECIMAL));
+        assert_eq!(second[3], json!(UNCHANGED));
+    }
+}
