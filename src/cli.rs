@@ -40,6 +40,10 @@ pub enum Command {
     /// target database. One line per check with a fix hint; exit 2 if any
     /// check fails.
     Check(ConfigArg),
+    /// Run the connector: create the publication and slot if missing, take
+    /// the initial snapshot, then stream every change to Kafka as Avro
+    /// changelog events. SIGINT/SIGTERM flush, confirm and exit 0.
+    Run(ConfigArg),
     /// Serve a Confluent-compatible schema registry (Avro) backed by
     /// Postgres. Point pgcdc, Kafka clients and Confluent's serializers at
     /// http://LISTEN.
@@ -116,6 +120,16 @@ pub async fn execute(command: Command) -> u8 {
         Command::Validate(args) => validate(&args),
         Command::Check(args) => check(&args).await,
         Command::Slot { action } => slot_command(action).await,
+        Command::Run(args) => {
+            let config = load(&args).map_err(config_failure);
+            match config {
+                Ok(config) => crate::connector::run(config)
+                    .await
+                    .map(|()| exit::OK)
+                    .map_err(Failure::from),
+                Err(e) => Err(e),
+            }
+        }
         Command::Registry(args) => registry(args).await,
     };
     match outcome {

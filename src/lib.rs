@@ -9,6 +9,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod connector;
 pub mod encode;
 pub mod exit;
 pub mod preflight;

@@ -4,6 +4,7 @@
 mod support;
 
 mod check;
+mod connector;
 mod registry;
 mod slot;
 mod validate;

@@ -14,6 +14,7 @@
 //! ```
 
 pub mod api;
+pub mod client;
 pub mod compat;
 pub mod store;
 

@@ -1,8 +1,10 @@
 //! The Postgres side of the connector.
 //!
+//! - [`catalog`]: table shapes and keys; COPY text parsing.
 //! - [`pgoutput`]: decoding of logical replication messages.
 //! - [`slot`]: replication slot and publication management.
 
+pub mod catalog;
 pub mod pgoutput;
 pub mod slot;
 

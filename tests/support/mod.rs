@@ -448,3 +448,139 @@ pub async fn create_topic(stack: &Stack, name: &str, configs: &[(&str, &str)]) {
         r.unwrap_or_else(|(t, e)| panic!("create topic {t}: {e}"));
     }
 }
+
+/// One record read back from a topic.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub partition: i32,
+    pub offset: i64,
+    pub key: Option<Vec<u8>>,
+    pub value: Option<Vec<u8>>,
+}
+
+/// Reads a topic from the beginning of every partition until `count`
+/// records arrived, or panics after `limit`.
+pub async fn read_topic(
+    stack: &Stack,
+    topic: &str,
+    count: usize,
+    limit: std::time::Duration,
+) -> Vec<Record> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::{Message, Offset, TopicPartitionList};
+    let brokers = stack.brokers.clone();
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", unique("reader"))
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("consumer");
+        let deadline = std::time::Instant::now() + limit;
+        // The topic may not exist yet: wait until it has partitions.
+        let mut tpl = TopicPartitionList::new();
+        while tpl.count() == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{topic} never appeared"
+            );
+            if let Ok(metadata) =
+                consumer.fetch_metadata(Some(&topic), std::time::Duration::from_secs(5))
+            {
+                for t in metadata.topics().iter().filter(|t| t.error().is_none()) {
+                    for p in t.partitions() {
+                        tpl.add_partition_offset(&topic, p.id(), Offset::Beginning)
+                            .expect("tpl");
+                    }
+                }
+            }
+            if tpl.count() == 0 {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+        consumer.assign(&tpl).expect("assign");
+        let mut out = Vec::new();
+        while out.len() < count {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{topic}: {} of {count} records after {limit:?}",
+                out.len()
+            );
+            if let Some(Ok(m)) = consumer.poll(std::time::Duration::from_millis(200)) {
+                out.push(Record {
+                    partition: m.partition(),
+                    offset: m.offset(),
+                    key: m.key().map(<[u8]>::to_vec),
+                    value: m.payload().map(<[u8]>::to_vec),
+                });
+            }
+        }
+        out
+    })
+    .await
+    .expect("reader task")
+}
+
+/// Decodes Confluent-framed Avro by fetching writer schemas from the registry.
+pub struct Decoder {
+    registry: String,
+    schemas: std::collections::HashMap<u32, apache_avro::Schema>,
+}
+
+impl Decoder {
+    pub fn new(stack: &Stack) -> Decoder {
+        Decoder {
+            registry: stack.registry_url.clone(),
+            schemas: Default::default(),
+        }
+    }
+
+    pub async fn decode(&mut self, framed: &[u8]) -> apache_avro::types::Value {
+        let (id, datum) = pgcdc::encode::unframe(framed).expect("Confluent framing");
+        if !self.schemas.contains_key(&id) {
+            let body: serde_json::Value =
+                reqwest::get(format!("{}/schemas/ids/{id}", self.registry))
+                    .await
+                    .expect("fetch schema")
+                    .json()
+                    .await
+                    .expect("schema json");
+            let schema =
+                apache_avro::Schema::parse_str(body["schema"].as_str().expect("schema text"))
+                    .expect("parse schema");
+            self.schemas.insert(id, schema);
+        }
+        pgcdc::encode::decode_datum(&self.schemas[&id], datum).expect("decode datum")
+    }
+}
+
+/// A `pgcdc run` process, killed when dropped.
+pub struct ConnectorProcess {
+    pub child: tokio::process::Child,
+}
+
+impl ConnectorProcess {
+    pub fn start(config: &ConfigFile) -> ConnectorProcess {
+        let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
+            .args(["run", "--config", config.arg()])
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn pgcdc run");
+        ConnectorProcess { child }
+    }
+
+    /// SIGTERM, then the exit code.
+    pub async fn terminate(mut self) -> i32 {
+        if let Some(pid) = self.child.id() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        let status = tokio::time::timeout(std::time::Duration::from_secs(30), self.child.wait())
+            .await
+            .expect("connector did not stop within 30 s")
+            .expect("wait");
+        status.code().unwrap_or(-1)
+    }
+}

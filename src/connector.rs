@@ -1,0 +1,696 @@
+//! `pgcdc run`: from the WAL to Avro changelog topics, with nothing lost.
+//!
+//! Guarantees:
+//! - **At least once, no loss.** The LSN confirmed to Postgres is the end
+//!   LSN of the newest transaction whose events Kafka has all acknowledged
+//!   (idempotent producer, `acks=all`), and it only moves forward. After any
+//!   crash the slot replays from there, and replayed events carry the same
+//!   positions.
+//! - **Bounded memory.** Events stream through; no transaction is buffered.
+//!   At most [`MAX_IN_FLIGHT`] messages await acknowledgement; beyond that
+//!   reading from the slot pauses, while standby status updates keep
+//!   flowing.
+//! - **Schema first.** A new table shape is registered with the registry
+//!   before any event with it is produced; a refused schema stops the
+//!   connector with the table named, and nothing is produced with it.
+//!
+//! ```text
+//!  slot (exported snapshot) ──► COPY per table ──► op=r ─┐
+//!  START_REPLICATION ──► pgoutput ──► relation cache ────┼─► encode ──► produce ──► Acks ──► confirmed LSN
+//!                                                        │                                     │
+//!                         standby status updates ◄───────┴─────────────────────────────────────┘
+//! ```
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use pgwire_replication::{Lsn as WireLsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
+use rdkafka::producer::FutureProducer;
+use tokio_postgres::Client;
+
+use crate::config::{split_table, Config, SnapshotMode};
+use crate::encode::types::{Input, SESSION_SETTINGS};
+use crate::encode::{ColumnDesc, EncodeError, Op, Position, SourceInfo, TableCodec, TableDesc};
+use crate::registry::client::{ClientError, RegistryClient};
+use crate::sink::{self, Acks};
+use crate::source::pgoutput::{self, Datum, Lsn, Message, OldTuple};
+use crate::source::{self, catalog, slot};
+
+/// Messages awaiting Kafka's acknowledgement before reading pauses.
+pub const MAX_IN_FLIGHT: usize = 100_000;
+/// How often confirmed progress is reported to Postgres.
+const STATUS_INTERVAL: Duration = Duration::from_secs(1);
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("config: {0}")]
+    Config(String),
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("replication: {0}")]
+    Replication(#[from] pgwire_replication::PgWireError),
+    #[error("{0}")]
+    Slot(#[from] slot::SlotError),
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("kafka: {0}")]
+    Delivery(String),
+    #[error("registry: {0}")]
+    Registry(#[from] ClientError),
+    #[error("{table} at LSN {lsn}: {source}")]
+    Encode {
+        table: String,
+        lsn: Lsn,
+        #[source]
+        source: EncodeError,
+    },
+    #[error("pgoutput at LSN {lsn}: {source}")]
+    Decode {
+        lsn: Lsn,
+        #[source]
+        source: pgoutput::DecodeError,
+    },
+    #[error("a change at LSN {lsn} names relation {oid}, which no Relation message described")]
+    UnknownRelation { lsn: Lsn, oid: u32 },
+    #[error("snapshot of {table}: {message}")]
+    Snapshot { table: String, message: String },
+}
+
+/// Session options (`-c name=value ...`) under which values are decoded.
+fn session_options() -> String {
+    SESSION_SETTINGS
+        .iter()
+        .map(|(k, v)| format!("-c {k}={v}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn replication_config(config: &Config) -> Result<ReplicationConfig, RunError> {
+    let pg = tokio_postgres::Config::from_str(config.source.url.expose())
+        .map_err(|e| RunError::Config(format!("source.url: {e}")))?;
+    let host = match pg.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        #[cfg(unix)]
+        Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
+        None => "localhost".to_string(),
+    };
+    let port = pg.get_ports().first().copied().unwrap_or(5432);
+    let password = pg
+        .get_password()
+        .map(|p| String::from_utf8_lossy(p).into_owned())
+        .unwrap_or_default();
+    let user = pg.get_user().unwrap_or("postgres").to_string();
+    let database = pg.get_dbname().unwrap_or(&user).to_string();
+    Ok(ReplicationConfig::new(
+        host,
+        user,
+        password,
+        database,
+        config.source.slot.clone(),
+        config.source.publication.clone(),
+    )
+    .with_port(port)
+    .with_options(session_options())
+    .with_status_interval(STATUS_INTERVAL))
+}
+
+/// A SQL session with the settings the decoder expects.
+async fn sql_session(config: &Config) -> Result<Client, RunError> {
+    let client = source::connect(&config.source.url).await?;
+    let settings: String = SESSION_SETTINGS
+        .iter()
+        .map(|(k, v)| format!("SET {k} = '{v}';"))
+        .collect();
+    client.batch_execute(&settings).await?;
+    Ok(client)
+}
+
+/// Shared by the snapshot workers and the stream.
+#[derive(Clone)]
+struct Output {
+    config: Arc<Config>,
+    registry: RegistryClient,
+    producer: FutureProducer,
+    acks: Arc<Acks>,
+    db: Arc<str>,
+}
+
+impl Output {
+    /// Builds and registers the codec of a table shape.
+    async fn codec(&self, desc: TableDesc) -> Result<TableCodec, RunError> {
+        let topic = self.config.topic_for(&desc.qualified());
+        let table = desc.qualified();
+        let mut codec = TableCodec::new(&topic, desc).map_err(|source| RunError::Encode {
+            table,
+            lsn: Lsn(0),
+            source,
+        })?;
+        let key_id = self
+            .registry
+            .register(&format!("{topic}-key"), &codec.key_schema)
+            .await?;
+        let value_id = self
+            .registry
+            .register(&format!("{topic}-value"), &codec.value_schema)
+            .await?;
+        codec.set_ids(key_id, value_id);
+        tracing::info!(%topic, key_id, value_id, "table schema registered");
+        Ok(codec)
+    }
+
+    /// Produces one event (and its tombstone after a delete).
+    async fn emit(
+        &self,
+        codec: &TableCodec,
+        op: Op,
+        before: Option<&[Input<'_>]>,
+        after: Option<&[Input<'_>]>,
+        src: &SourceInfo<'_>,
+    ) -> Result<(), RunError> {
+        let table = codec.desc.qualified();
+        let encode_err = |source| RunError::Encode {
+            table: table.clone(),
+            lsn: Lsn(src.lsn),
+            source,
+        };
+        let key_image = after.or(before);
+        let key = match key_image {
+            Some(row) if codec.has_key() => Some(codec.encode_key(row).map_err(encode_err)?),
+            _ => None,
+        };
+        let value = codec
+            .encode_value(op, before, after, src)
+            .map_err(encode_err)?;
+        let topic = self.config.topic_for(&table);
+        let f = sink::send(&self.producer, &topic, key.as_deref(), Some(&value)).await?;
+        self.acks.delivery(f).await.map_err(RunError::Delivery)?;
+        if op == Op::Delete && key.is_some() {
+            let f = sink::send(&self.producer, &topic, key.as_deref(), None).await?;
+            self.acks.delivery(f).await.map_err(RunError::Delivery)?;
+        }
+        Ok(())
+    }
+}
+
+fn inputs(values: &[Datum]) -> Vec<Input<'_>> {
+    values
+        .iter()
+        .map(|d| match d {
+            Datum::Null => Input::Null,
+            Datum::UnchangedToast => Input::Unchanged,
+            Datum::Text(b) | Datum::Binary(b) => Input::Text(b),
+        })
+        .collect()
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or_default()
+}
+
+/// Microseconds since 2000-01-01 (Postgres epoch) to milliseconds since 1970.
+fn pg_time_to_ms(micros: i64) -> i64 {
+    micros / 1000 + 946_684_800_000
+}
+
+/// Runs the connector until SIGINT/SIGTERM or an error.
+pub async fn run(config: Config) -> Result<(), RunError> {
+    let config = Arc::new(config);
+    let sql = source::connect(&config.source.url).await?;
+    slot::ensure_publication(&sql, &config).await?;
+    let topics: Vec<String> = config
+        .source
+        .tables
+        .iter()
+        .map(|t| config.topic_for(t))
+        .collect();
+    sink::ensure_topics(&config.kafka, &topics).await?;
+    let db: String = sql
+        .query_one("SELECT current_database()::text", &[])
+        .await?
+        .get(0);
+
+    let mut existing = slot::status(&sql, &config.source.slot).await?;
+    if existing.is_some() && config.source.snapshot.mode == SnapshotMode::Always {
+        tracing::info!(slot = %config.source.slot, "snapshot mode always: dropping the slot to take a new snapshot");
+        slot::drop(&sql, &config.source.slot).await?;
+        existing = None;
+    }
+    let initial_confirmed = match &existing {
+        Some(_) => {
+            let status = slot::verify_usable(&sql, &config).await?;
+            status
+                .confirmed_flush_lsn
+                .as_deref()
+                .and_then(|l| l.parse::<Lsn>().ok())
+                .map_or(0, |l| l.0)
+        }
+        None => 0,
+    };
+
+    let output = Output {
+        registry: RegistryClient::new(&config.registry)?,
+        producer: sink::producer(&config.kafka)?,
+        acks: Arc::new(Acks::start(initial_confirmed, MAX_IN_FLIGHT)),
+        db: Arc::from(db.as_str()),
+        config: config.clone(),
+    };
+
+    let mut repl = ReplicationClient::connect_gated(replication_config(&config)?).await?;
+    let mut codecs: HashMap<u32, TableCodec> = HashMap::new();
+    if existing.is_none() {
+        let snapshot = config.source.snapshot.mode != SnapshotMode::Never;
+        let rows = repl
+            .simple_query(&format!(
+                "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT '{}')",
+                slot::quote_ident(&config.source.slot),
+                if snapshot { "export" } else { "nothing" }
+            ))
+            .await?;
+        let field = |i: usize| {
+            rows.first()
+                .and_then(|r| r.get(i).cloned().flatten())
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+        };
+        let consistent_point: Lsn = field(1).and_then(|l| l.parse().ok()).ok_or_else(|| {
+            RunError::Config("CREATE_REPLICATION_SLOT returned no consistent point".into())
+        })?;
+        tracing::info!(slot = %config.source.slot, %consistent_point, "slot created");
+        if snapshot {
+            let name = field(2).ok_or_else(|| RunError::Config("no exported snapshot".into()))?;
+            codecs = run_snapshot(&output, &name, consistent_point).await?;
+        }
+    }
+
+    repl.start().await?;
+    repl.wait_started().await?;
+    tracing::info!(slot = %config.source.slot, "streaming");
+    let last = stream(&output, &mut repl, &sql, codecs).await;
+    let last = match last {
+        Ok(l) => l,
+        Err(e) => {
+            repl.abort();
+            return Err(e);
+        }
+    };
+    // Drain what is in flight, then make the final position durable.
+    let Output { acks, .. } = output;
+    let acks = Arc::try_unwrap(acks).map_err(|_| RunError::Delivery("acks still shared".into()))?;
+    let confirmed = acks.drain(last).await.map_err(RunError::Delivery)?;
+    repl.update_applied_lsn(WireLsn(confirmed));
+    let _ = repl.shutdown().await;
+    advance_slot(&sql, &config.source.slot, confirmed).await;
+    tracing::info!(confirmed = %Lsn(confirmed), "stopped");
+    Ok(())
+}
+
+/// Moves the slot's confirmed position to `lsn` once the replication
+/// session has let go of it (the session ends without a final status).
+async fn advance_slot(sql: &Client, slot_name: &str, lsn: u64) {
+    let target = Lsn(lsn).to_string();
+    for _ in 0..50 {
+        match sql
+            .execute(
+                "SELECT pg_replication_slot_advance($1, $2::text::pg_lsn)
+                 FROM pg_replication_slots WHERE slot_name = $1 AND NOT active
+                   AND confirmed_flush_lsn < $2::text::pg_lsn",
+                &[&slot_name, &target],
+            )
+            .await
+        {
+            Ok(_) => {
+                let done = sql
+                    .query_opt(
+                        "SELECT 1 FROM pg_replication_slots
+                         WHERE slot_name = $1 AND confirmed_flush_lsn >= $2::text::pg_lsn",
+                        &[&slot_name, &target],
+                    )
+                    .await
+                    .is_ok_and(|r| r.is_some());
+                if done {
+                    return;
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "slot advance not possible yet"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tracing::warn!(slot = %slot_name, lsn = %target, "could not record the final position; the next start replays from the last reported one");
+}
+
+/// Copies every table on the exported snapshot, `workers` at a time.
+async fn run_snapshot(
+    output: &Output,
+    snapshot_name: &str,
+    consistent_point: Lsn,
+) -> Result<HashMap<u32, TableCodec>, RunError> {
+    let config = &output.config;
+    let limit = Arc::new(tokio::sync::Semaphore::new(config.source.snapshot.workers));
+    let mut tasks = tokio::task::JoinSet::new();
+    for table in config.source.tables.clone() {
+        let (output, limit, name) = (output.clone(), limit.clone(), snapshot_name.to_string());
+        tasks.spawn(async move {
+            let _permit = limit.acquire_owned().await;
+            snapshot_table(&output, &name, &table, consistent_point)
+                .await
+                .map_err(|e| RunError::Snapshot {
+                    table: table.clone(),
+                    message: e.to_string(),
+                })
+        });
+    }
+    let mut codecs = HashMap::new();
+    while let Some(done) = tasks.join_next().await {
+        let (oid, codec) = done.map_err(|e| RunError::Snapshot {
+            table: "?".into(),
+            message: e.to_string(),
+        })??;
+        codecs.insert(oid, codec);
+    }
+    // Streaming starts only after Kafka holds the whole snapshot.
+    output
+        .acks
+        .release(consistent_point.0)
+        .await
+        .map_err(RunError::Delivery)?;
+    let mut confirmed = output.acks.confirmed();
+    let mut failed = output.acks.failed();
+    while *confirmed.borrow() < consistent_point.0 {
+        tokio::select! {
+            _ = confirmed.changed() => {}
+            _ = failed.changed() => {
+                if let Some(e) = failed.borrow().clone() {
+                    return Err(RunError::Delivery(e));
+                }
+            }
+        }
+    }
+    tracing::info!(%consistent_point, tables = codecs.len(), "snapshot complete");
+    Ok(codecs)
+}
+
+async fn snapshot_table(
+    output: &Output,
+    snapshot_name: &str,
+    table: &str,
+    consistent_point: Lsn,
+) -> Result<(u32, TableCodec), RunError> {
+    let client = sql_session(&output.config).await?;
+    client
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{}'",
+            snapshot_name.replace('\'', "''")
+        ))
+        .await?;
+    let (schema, name) =
+        split_table(table).ok_or_else(|| RunError::Config(format!("bad table {table}")))?;
+    let (oid, desc) = catalog::describe(&client, schema, name)
+        .await?
+        .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
+    let columns: Vec<String> = desc
+        .columns
+        .iter()
+        .map(|c| slot::quote_ident(&c.name))
+        .collect();
+    let codec = output.codec(desc).await?;
+    let copy = format!(
+        "COPY (SELECT {} FROM {}.{}) TO STDOUT",
+        columns.join(", "),
+        slot::quote_ident(schema),
+        slot::quote_ident(name)
+    );
+    let stream = client.copy_out(&copy).await?;
+    futures_util::pin_mut!(stream);
+    let started = std::time::Instant::now();
+    let mut buf: Vec<u8> = Vec::new();
+    let mut rows: u64 = 0;
+    let ts_ms = now_ms();
+    let src = SourceInfo {
+        connector_name: &output.config.name,
+        db: &output.db,
+        position: Position {
+            commit_lsn: consistent_point.0,
+            seq: 0,
+        },
+        lsn: consistent_point.0,
+        tx_id: None,
+        ts_ms,
+        snapshot: "true",
+        table_order: 0,
+    };
+    while let Some(chunk) = stream.next().await {
+        buf.extend_from_slice(&chunk?);
+        let mut start = 0;
+        while let Some(nl) = buf[start..].iter().position(|&b| b == b'\n') {
+            let fields = catalog::copy_fields(&buf[start..start + nl]);
+            let row: Vec<Input<'_>> = fields
+                .iter()
+                .map(|f| match f {
+                    None => Input::Null,
+                    Some(v) => Input::Text(v),
+                })
+                .collect();
+            output
+                .emit(&codec, Op::Read, None, Some(&row), &src)
+                .await?;
+            rows += 1;
+            start += nl + 1;
+            if rows.is_multiple_of(100_000) {
+                tracing::info!(%table, rows, rows_per_sec = rows as f64 / started.elapsed().as_secs_f64(), "snapshot progress");
+            }
+        }
+        buf.drain(..start);
+    }
+    client.batch_execute("COMMIT").await?;
+    tracing::info!(%table, rows, secs = started.elapsed().as_secs_f64(), "table snapshot done");
+    Ok((oid, codec))
+}
+
+/// Per-transaction state of the stream.
+#[derive(Default)]
+struct Txn {
+    commit_lsn: u64,
+    xid: u32,
+    ts_ms: i64,
+    seq: u64,
+    table_order: HashMap<u32, u64>,
+}
+
+/// Reads the replication stream until shutdown; returns the last position
+/// that may be confirmed once everything in flight is acknowledged.
+async fn stream(
+    output: &Output,
+    repl: &mut ReplicationClient,
+    sql: &Client,
+    mut codecs: HashMap<u32, TableCodec>,
+) -> Result<u64, RunError> {
+    let mut confirmed = output.acks.confirmed();
+    let mut failed = output.acks.failed();
+    let shutdown = crate::shutdown_signal();
+    tokio::pin!(shutdown);
+    let mut txn: Option<Txn> = None;
+    let mut last_release = *confirmed.borrow();
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut shutdown => return Ok(last_release),
+            r = failed.changed() => {
+                if r.is_ok() {
+                    if let Some(e) = failed.borrow().clone() {
+                        return Err(RunError::Delivery(e));
+                    }
+                }
+            }
+            r = confirmed.changed() => {
+                if r.is_ok() {
+                    let lsn = *confirmed.borrow();
+                    repl.update_applied_lsn(WireLsn(lsn));
+                    tracing::debug!(confirmed = %Lsn(lsn), "confirmed");
+                }
+            }
+            ev = repl.recv() => {
+                let Some(ev) = ev? else { return Ok(last_release) };
+                match ev {
+                    ReplicationEvent::Begin { final_lsn, xid, commit_time_micros } => {
+                        txn = Some(Txn {
+                            commit_lsn: final_lsn.as_u64(),
+                            xid,
+                            ts_ms: pg_time_to_ms(commit_time_micros),
+                            ..Txn::default()
+                        });
+                    }
+                    ReplicationEvent::Commit { end_lsn, .. } => {
+                        txn = None;
+                        last_release = last_release.max(end_lsn.as_u64());
+                        output.acks.release(end_lsn.as_u64()).await.map_err(RunError::Delivery)?;
+                    }
+                    ReplicationEvent::KeepAlive { wal_end, .. } => {
+                        // Between transactions everything up to wal_end was seen.
+                        if txn.is_none() && wal_end.as_u64() > last_release {
+                            last_release = wal_end.as_u64();
+                            output.acks.release(last_release).await.map_err(RunError::Delivery)?;
+                        }
+                    }
+                    ReplicationEvent::XLogData { wal_start, data, .. } => {
+                        let lsn = Lsn(wal_start.as_u64());
+                        let msg = pgoutput::decode(&data).map_err(|source| RunError::Decode { lsn, source })?;
+                        on_message(output, sql, &mut codecs, txn.as_mut(), lsn, msg).await?;
+                    }
+                    ReplicationEvent::Message { .. } => {}
+                    ReplicationEvent::StoppedAt { .. } => return Ok(last_release),
+                }
+            }
+        }
+    }
+}
+
+/// Marks key columns of a Relation's columns from the catalog's key.
+async fn relation_desc(sql: &Client, rel: &pgoutput::Relation) -> Result<TableDesc, RunError> {
+    let keys = catalog::key_columns(sql, rel.oid).await?;
+    let columns = rel
+        .columns
+        .iter()
+        .map(|c| ColumnDesc {
+            name: c.name.clone(),
+            type_oid: c.type_oid,
+            type_modifier: c.type_modifier,
+            type_name: String::new(),
+            key: keys.contains(&c.name),
+        })
+        .collect::<Vec<_>>();
+    // Type names of types without a dedicated mapping, for the schema.
+    let mut with_names = Vec::with_capacity(columns.len());
+    for mut c in columns {
+        c.type_name = sql
+            .query_one("SELECT format_type($1, NULL)", &[&c.type_oid])
+            .await?
+            .get(0);
+        with_names.push(c);
+    }
+    Ok(TableDesc {
+        schema: rel.namespace.clone(),
+        table: rel.name.clone(),
+        columns: with_names,
+    })
+}
+
+fn key_changed(codec: &TableCodec, old: &[Datum], new: &[Datum]) -> bool {
+    codec
+        .desc
+        .columns
+        .iter()
+        .zip(old.iter().zip(new))
+        .any(|(c, (o, n))| c.key && o != n && *n != Datum::UnchangedToast)
+}
+
+async fn on_message(
+    output: &Output,
+    sql: &Client,
+    codecs: &mut HashMap<u32, TableCodec>,
+    txn: Option<&mut Txn>,
+    lsn: Lsn,
+    msg: Message,
+) -> Result<(), RunError> {
+    if let Message::Relation(rel) = &msg {
+        let desc = relation_desc(sql, rel).await?;
+        if codecs.get(&rel.oid).is_none_or(|c| c.desc != desc) {
+            if codecs.contains_key(&rel.oid) {
+                tracing::info!(table = %desc.qualified(), %lsn, "schema change");
+            }
+            let codec = output.codec(desc).await?;
+            codecs.insert(rel.oid, codec);
+        }
+        return Ok(());
+    }
+    let Some(txn) = txn else {
+        return Ok(()); // Type and Origin messages carry nothing to produce.
+    };
+    let rels: Vec<u32> = match &msg {
+        Message::Insert { relation, .. }
+        | Message::Update { relation, .. }
+        | Message::Delete { relation, .. } => {
+            vec![*relation]
+        }
+        Message::Truncate { relations, .. } => relations.clone(),
+        _ => return Ok(()),
+    };
+    for oid in rels {
+        let codec = codecs
+            .get(&oid)
+            .ok_or(RunError::UnknownRelation { lsn, oid })?;
+        txn.seq += 1;
+        let order = txn.table_order.entry(oid).or_default();
+        *order += 1;
+        let src = SourceInfo {
+            connector_name: &output.config.name,
+            db: &output.db,
+            position: Position {
+                commit_lsn: txn.commit_lsn,
+                seq: txn.seq,
+            },
+            lsn: lsn.0,
+            tx_id: Some(txn.xid),
+            ts_ms: txn.ts_ms,
+            snapshot: "false",
+            table_order: *order,
+        };
+        match &msg {
+            Message::Insert { new, .. } => {
+                output
+                    .emit(codec, Op::Create, None, Some(&inputs(new)), &src)
+                    .await?;
+            }
+            Message::Update { old, new, .. } => {
+                let new_in = inputs(new);
+                match old {
+                    // The key changed: the old key is deleted, the new one created.
+                    Some(OldTuple::Key(o)) => {
+                        let old_in = inputs(o);
+                        output
+                            .emit(codec, Op::Delete, Some(&old_in), None, &src)
+                            .await?;
+                        output
+                            .emit(codec, Op::Create, None, Some(&new_in), &src)
+                            .await?;
+                    }
+                    Some(OldTuple::Full(o)) if key_changed(codec, o, new) => {
+                        let old_in = inputs(o);
+                        output
+                            .emit(codec, Op::Delete, Some(&old_in), None, &src)
+                            .await?;
+                        output
+                            .emit(codec, Op::Create, None, Some(&new_in), &src)
+                            .await?;
+                    }
+                    Some(OldTuple::Full(o)) => {
+                        let old_in = inputs(o);
+                        output
+                            .emit(codec, Op::Update, Some(&old_in), Some(&new_in), &src)
+                            .await?;
+                    }
+                    None => {
+                        output
+                            .emit(codec, Op::Update, None, Some(&new_in), &src)
+                            .await?;
+                    }
+                }
+            }
+            Message::Delete { old, .. } => {
+                let old_in = inputs(old.values());
+                output
+                    .emit(codec, Op::Delete, Some(&old_in), None, &src)
+                    .await?;
+            }
+            Message::Truncate { .. } => {
+                output.emit(codec, Op::Truncate, None, None, &src).await?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}

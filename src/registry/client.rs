@@ -1,0 +1,89 @@
+//! A client of any Confluent-compatible registry (ours, Confluent's,
+//! Karapace, Apicurio's compatibility API).
+//!
+//! Guarantee: schemas are registered explicitly on every new table shape,
+//! never through a cache keyed by subject alone, so a schema change always
+//! reaches the registry and its compatibility check before anything is
+//! produced with it.
+
+use serde_json::{json, Value};
+
+use crate::config::RegistryConfig;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The registry refused the schema under the subject's compatibility
+    /// level: a data error for that table, not a retryable one.
+    #[error("subject {subject}: schema refused as incompatible: {message}")]
+    Incompatible { subject: String, message: String },
+    #[error("subject {subject}: registry answered {status}: {message}")]
+    Refused {
+        subject: String,
+        status: u16,
+        message: String,
+    },
+    #[error("registry unreachable: {0}")]
+    Unreachable(String),
+}
+
+#[derive(Debug, Clone)]
+pub struct RegistryClient {
+    http: reqwest::Client,
+    config: RegistryConfig,
+}
+
+impl RegistryClient {
+    pub fn new(config: &RegistryConfig) -> Result<RegistryClient, ClientError> {
+        let http = reqwest::Client::builder()
+            .timeout(std::time::Duration::from_secs(30))
+            .build()
+            .map_err(|e| ClientError::Unreachable(e.without_url().to_string()))?;
+        Ok(RegistryClient {
+            http,
+            config: config.clone(),
+        })
+    }
+
+    /// Registers `schema` under `subject` and returns its id.
+    pub async fn register(&self, subject: &str, schema: &Value) -> Result<u32, ClientError> {
+        let url = format!(
+            "{}/subjects/{}/versions",
+            self.config.url.expose().trim_end_matches('/'),
+            subject
+        );
+        let mut request = self
+            .http
+            .post(url)
+            .header("Content-Type", "application/vnd.schemaregistry.v1+json")
+            .body(json!({ "schema": schema.to_string() }).to_string());
+        if let Some(user) = &self.config.username {
+            request = request.basic_auth(user, self.config.password.as_ref().map(|p| p.expose()));
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|e| ClientError::Unreachable(e.without_url().to_string()))?;
+        let status = response.status().as_u16();
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        let message = body["message"].as_str().unwrap_or_default().to_string();
+        match status {
+            200 => body["id"]
+                .as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| ClientError::Refused {
+                    subject: subject.to_string(),
+                    status,
+                    message: format!("no id in the answer: {body}"),
+                }),
+            409 => Err(ClientError::Incompatible {
+                subject: subject.to_string(),
+                message,
+            }),
+            _ => Err(ClientError::Refused {
+                subject: subject.to_string(),
+                status,
+                message,
+            }),
+        }
+    }
+}

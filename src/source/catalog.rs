@@ -1,0 +1,176 @@
+//! What the catalog says about a captured table: its columns in the order
+//! pgoutput sends them, and its key.
+//!
+//! Guarantee: the snapshot and the stream describe a table the same way.
+//! The key is the primary key; without one, the replica identity index;
+//! without that, every column under REPLICA IDENTITY FULL; otherwise none
+//! (the events then have a null key).
+
+use tokio_postgres::Client;
+
+use crate::encode::{ColumnDesc, TableDesc};
+
+/// Columns of `schema.table` (generated and dropped columns excluded, as
+/// pgoutput excludes them), with the key marked. Returns the table's oid.
+pub async fn describe(
+    client: &Client,
+    schema: &str,
+    table: &str,
+) -> Result<Option<(u32, TableDesc)>, tokio_postgres::Error> {
+    let Some(row) = client
+        .query_opt(
+            "SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE n.nspname = $1 AND c.relname = $2",
+            &[&schema, &table],
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let oid: u32 = row.get(0);
+    let keys = key_columns(client, oid).await?;
+    let columns = client
+        .query(
+            "SELECT a.attname::text, a.atttypid, a.atttypmod, format_type(a.atttypid, NULL)
+             FROM pg_attribute a
+             WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+             ORDER BY a.attnum",
+            &[&oid],
+        )
+        .await?
+        .iter()
+        .map(|r| {
+            let name: String = r.get(0);
+            ColumnDesc {
+                key: keys.contains(&name),
+                name,
+                type_oid: r.get(1),
+                type_modifier: r.get(2),
+                type_name: r.get(3),
+            }
+        })
+        .collect();
+    Ok(Some((
+        oid,
+        TableDesc {
+            schema: schema.to_string(),
+            table: table.to_string(),
+            columns,
+        },
+    )))
+}
+
+/// Names of the key columns of a relation (see the module guarantee).
+pub async fn key_columns(client: &Client, oid: u32) -> Result<Vec<String>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "WITH idx AS (
+                 SELECT i.indkey FROM pg_index i
+                 WHERE i.indrelid = $1 AND (i.indisprimary OR i.indisreplident)
+                 ORDER BY i.indisprimary DESC LIMIT 1)
+             SELECT a.attname::text FROM pg_attribute a, idx
+             WHERE a.attrelid = $1 AND a.attnum = ANY(idx.indkey::int2[])
+             ORDER BY array_position(idx.indkey::int2[], a.attnum)",
+            &[&oid],
+        )
+        .await?;
+    if !rows.is_empty() {
+        return Ok(rows.iter().map(|r| r.get(0)).collect());
+    }
+    let full = client
+        .query_opt(
+            "SELECT relreplident = 'f' FROM pg_class WHERE oid = $1",
+            &[&oid],
+        )
+        .await?
+        .is_some_and(|r| r.get::<_, bool>(0));
+    if !full {
+        return Ok(Vec::new());
+    }
+    Ok(client
+        .query(
+            "SELECT attname::text FROM pg_attribute
+             WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped AND attgenerated = ''
+             ORDER BY attnum",
+            &[&oid],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// Splits one line of `COPY ... TO STDOUT` text format into its fields:
+/// `None` for `\N`, otherwise the unescaped bytes.
+pub fn copy_fields(line: &[u8]) -> Vec<Option<Vec<u8>>> {
+    let mut out = Vec::new();
+    for raw in line.split(|&b| b == b'\t') {
+        if raw == b"\\N" {
+            out.push(None);
+            continue;
+        }
+        let mut field = Vec::with_capacity(raw.len());
+        let mut i = 0;
+        while i < raw.len() {
+            let b = raw[i];
+            if b != b'\\' || i + 1 == raw.len() {
+                field.push(b);
+                i += 1;
+                continue;
+            }
+            let next = raw[i + 1];
+            i += 2;
+            match next {
+                b'b' => field.push(0x08),
+                b'f' => field.push(0x0C),
+                b'n' => field.push(b'\n'),
+                b'r' => field.push(b'\r'),
+                b't' => field.push(b'\t'),
+                b'v' => field.push(0x0B),
+                b'0'..=b'7' => {
+                    let mut v = u32::from(next - b'0');
+                    let mut n = 1;
+                    while n < 3 && i < raw.len() && (b'0'..=b'7').contains(&raw[i]) {
+                        v = v * 8 + u32::from(raw[i] - b'0');
+                        i += 1;
+                        n += 1;
+                    }
+                    field.push((v & 0xFF) as u8);
+                }
+                b'x' if i < raw.len() && raw[i].is_ascii_hexdigit() => {
+                    let mut v = 0u32;
+                    let mut n = 0;
+                    while n < 2 && i < raw.len() && raw[i].is_ascii_hexdigit() {
+                        v = v * 16 + (raw[i] as char).to_digit(16).unwrap_or(0);
+                        i += 1;
+                        n += 1;
+                    }
+                    field.push(v as u8);
+                }
+                other => field.push(other),
+            }
+        }
+        out.push(Some(field));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_text_fields_unescape_and_keep_null_distinct() {
+        let line = b"1\t\\N\ta\\tb\\nc\\\\d\t\t\\101\\x42";
+        assert_eq!(
+            copy_fields(line),
+            vec![
+                Some(b"1".to_vec()),
+                None,
+                Some(b"a\tb\nc\\d".to_vec()),
+                Some(Vec::new()),
+                Some(b"AB".to_vec()),
+            ]
+        );
+    }
+}

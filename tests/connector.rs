@@ -1,0 +1,275 @@
+//! `pgcdc run` end to end: snapshot, every operation, tombstones, keys,
+//! partitions, shutdown and resume, read back with our decoder and with
+//! Python's confluent-kafka AvroDeserializer.
+
+use std::time::Duration;
+
+use apache_avro::types::Value;
+
+use crate::support::{self, ConfigFile, ConnectorProcess, Decoder, TestDb};
+
+/// A record field, with unions unwrapped.
+fn get<'a>(v: &'a Value, name: &str) -> &'a Value {
+    let v = unwrap(v);
+    let Value::Record(fields) = v else {
+        panic!("not a record: {v:?}");
+    };
+    unwrap(
+        fields
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v)
+            .unwrap_or_else(|| panic!("no field {name} in {v:?}")),
+    )
+}
+
+fn unwrap(v: &Value) -> &Value {
+    match v {
+        Value::Union(_, inner) => inner,
+        other => other,
+    }
+}
+
+fn text(v: &Value) -> String {
+    match unwrap(v) {
+        Value::String(s) => s.clone(),
+        other => panic!("not a string: {other:?}"),
+    }
+}
+
+struct Event {
+    partition: i32,
+    key: Option<Value>,
+    key_bytes: Option<Vec<u8>>,
+    value: Option<Value>,
+}
+
+impl Event {
+    fn op(&self) -> String {
+        self.value
+            .as_ref()
+            .map(|v| text(get(v, "op")))
+            .unwrap_or_else(|| "tombstone".into())
+    }
+    fn after(&self, column: &str) -> &Value {
+        get(get(self.value.as_ref().expect("value"), "after"), column)
+    }
+    fn before(&self, column: &str) -> &Value {
+        get(get(self.value.as_ref().expect("value"), "before"), column)
+    }
+    fn key_id(&self) -> i64 {
+        match self.key.as_ref().map(|k| get(k, "id")) {
+            Some(Value::Long(n)) => *n,
+            other => panic!("key id: {other:?}"),
+        }
+    }
+}
+
+async fn events(stack: &support::Stack, topic: &str, count: usize) -> Vec<Event> {
+    let records = support::read_topic(stack, topic, count, Duration::from_secs(60)).await;
+    let mut decoder = Decoder::new(stack);
+    let mut out = Vec::new();
+    for r in records {
+        let key = match &r.key {
+            Some(k) => Some(decoder.decode(k).await),
+            None => None,
+        };
+        let value = match &r.value {
+            Some(v) => Some(decoder.decode(v).await),
+            None => None,
+        };
+        out.push(Event {
+            partition: r.partition,
+            key,
+            key_bytes: r.key,
+            value,
+        });
+    }
+    // Per-key order is what Kafka guarantees; sort by position for the test.
+    out.sort_by_key(|e| {
+        e.value
+            .as_ref()
+            .map(|v| {
+                let src = get(v, "source");
+                let (Value::Long(c), Value::Long(s)) = (get(src, "commit_lsn"), get(src, "seq"))
+                else {
+                    panic!("position")
+                };
+                (*c, *s, 0)
+            })
+            .unwrap_or((i64::MAX, i64::MAX, 1))
+    });
+    out
+}
+
+#[tokio::test]
+async fn run_streams_snapshot_and_changes_as_debezium_envelopes() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_demo").await;
+    let client = db.client().await;
+    support::apply_sql_file(&client, "sql/demo/schema.sql").await;
+    support::apply_sql_file(&client, "sql/demo/seed.sql").await;
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.customers", "public.orders"],
+    ));
+    let orders_topic = format!("{}.public.orders", db.name);
+    let customers_topic = format!("{}.public.customers", db.name);
+
+    let connector = ConnectorProcess::start(&config);
+    let snapshot = events(&stack, &orders_topic, 4).await;
+    assert!(
+        snapshot.iter().all(|e| e.op() == "r"),
+        "snapshot events are reads"
+    );
+    let first = snapshot
+        .iter()
+        .find(|e| e.key_id() == 1001)
+        .expect("order 1001");
+    assert_eq!(first.after("status"), &Value::String("paid".into()));
+    let amount = first.after("amount");
+    assert!(
+        matches!(amount, Value::Decimal(_)),
+        "numeric(12,2) is an Avro decimal: {amount:?}"
+    );
+
+    client
+        .batch_execute(
+            "BEGIN;
+             INSERT INTO customers VALUES (10, 'Barbara Liskov', NULL, 3);
+             INSERT INTO orders (id, customer_id, amount, status, note) VALUES (2001, 10, 5.25, 'new', NULL);
+             COMMIT;
+             UPDATE orders SET status = 'shipped' WHERE id = 1001;
+             DELETE FROM orders WHERE id = 1004;
+             UPDATE orders SET id = 3003 WHERE id = 1003;",
+        )
+        .await
+        .expect("workload");
+
+    // 4 reads + insert + update + delete + tombstone + key change (delete,
+    // tombstone, create).
+    let all = events(&stack, &orders_topic, 11).await;
+    let streamed: Vec<&Event> = all.iter().filter(|e| e.op() != "r").collect();
+    let ops: Vec<String> = streamed.iter().map(|e| e.op()).collect();
+    assert_eq!(
+        ops,
+        ["c", "u", "d", "d", "c", "tombstone", "tombstone"],
+        "{ops:?}"
+    );
+    let insert = streamed[0];
+    assert_eq!(insert.key_id(), 2001);
+    assert_eq!(insert.after("note"), &Value::Null, "NULL stays NULL");
+    assert_eq!(insert.after("customer_id"), &Value::Long(10));
+    let tx = get(insert.value.as_ref().expect("value"), "transaction");
+    assert!(
+        matches!(get(tx, "id"), Value::String(id) if id.contains(':')),
+        "{tx:?}"
+    );
+    assert_eq!(
+        streamed[1].after("status"),
+        &Value::String("shipped".into())
+    );
+    let delete = streamed[2];
+    assert_eq!(delete.key_id(), 1004);
+    assert_eq!(delete.before("id"), &Value::Long(1004));
+    assert_eq!(
+        get(delete.value.as_ref().expect("value"), "after"),
+        &Value::Null
+    );
+    let (moved_from, moved_to) = (streamed[3], streamed[4]);
+    assert_eq!(
+        (moved_from.key_id(), moved_to.key_id()),
+        (1003, 3003),
+        "a key change deletes the old key and creates the new"
+    );
+    let tombstones: Vec<i64> = streamed[5..].iter().map(|e| e.key_id()).collect();
+    assert!(
+        tombstones.contains(&1004) && tombstones.contains(&1003),
+        "{tombstones:?}"
+    );
+
+    // Keys land where Java's default partitioner puts them.
+    for e in &all {
+        let key = e.key_bytes.as_deref().expect("keyed");
+        assert_eq!(
+            e.partition,
+            pgcdc::sink::partition_for(key, 3),
+            "partition of {:?}",
+            e.key
+        );
+    }
+    let customers = events(&stack, &customers_topic, 4).await;
+    let liskov = customers
+        .iter()
+        .find(|e| e.key_id() == 10)
+        .expect("customer 10");
+    assert_eq!(liskov.after("tier"), &Value::Null);
+    assert_eq!(
+        get(
+            get(liskov.value.as_ref().expect("value"), "source"),
+            "table"
+        ),
+        &Value::String("customers".into())
+    );
+
+    // A graceful stop confirms everything; a restart resumes without replay.
+    assert_eq!(connector.terminate().await, 0);
+    let lag: i64 = client
+        .query_one(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            &[&db.name],
+        )
+        .await
+        .expect("slot")
+        .get(0);
+    assert!(
+        lag < 1024 * 1024,
+        "the slot was confirmed on shutdown (lag {lag} bytes)"
+    );
+    client
+        .batch_execute(
+            "INSERT INTO orders (id, customer_id, amount, status) VALUES (4004, 1, 1, 'new')",
+        )
+        .await
+        .expect("insert while stopped");
+    let connector = ConnectorProcess::start(&config);
+    let resumed = events(&stack, &orders_topic, 12).await;
+    assert_eq!(
+        resumed.iter().filter(|e| e.op() == "r").count(),
+        4,
+        "no second snapshot"
+    );
+    assert_eq!(
+        resumed
+            .iter()
+            .filter(|e| e.op() == "c" && e.key_id() == 4004)
+            .count(),
+        1
+    );
+    assert_eq!(connector.terminate().await, 0);
+
+    // Python's confluent-kafka decodes every record through our registry.
+    let python = std::env::var("PGCDC_PYTHON").expect("PGCDC_PYTHON (set by scripts/test)");
+    let out = tokio::process::Command::new(python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/interop/read_changelog.py"
+        ))
+        .args([&orders_topic, "12"])
+        .env("PGCDC_REGISTRY_URL", &stack.registry_url)
+        .env("PGCDC_KAFKA_BROKERS", &stack.brokers)
+        .output()
+        .await
+        .expect("python reader");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("decoded 12 records"), "{stdout}");
+    assert!(stdout.contains("2001 c amount=5.25"), "{stdout}");
+    db.drop_db().await;
+}
