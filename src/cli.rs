@@ -44,6 +44,9 @@ pub enum Command {
     /// the initial snapshot, then stream every change to Kafka as Avro
     /// changelog events. SIGINT/SIGTERM flush, confirm and exit 0.
     Run(ConfigArg),
+    /// Print changelog events as JSON lines, decoded through the registry.
+    /// Read-only: joins no consumer group, commits nothing.
+    Tail(TailArgs),
     /// Serve a Confluent-compatible schema registry (Avro) backed by
     /// Postgres. Point pgcdc, Kafka clients and Confluent's serializers at
     /// http://LISTEN.
@@ -76,6 +79,21 @@ pub enum SlotAction {
         #[arg(long)]
         yes: bool,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct TailArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Only this captured table (schema.table); default: all of them.
+    #[arg(long)]
+    pub table: Option<String>,
+    /// Stop after this many events.
+    #[arg(long, default_value_t = 100)]
+    pub max: usize,
+    /// Stop when nothing arrives for this many seconds.
+    #[arg(long, default_value_t = 5)]
+    pub idle_secs: u64,
 }
 
 #[derive(Debug, clap::Args)]
@@ -131,6 +149,7 @@ pub async fn execute(command: Command) -> u8 {
             }
         }
         Command::Registry(args) => registry(args).await,
+        Command::Tail(args) => tail(&args).await,
     };
     match outcome {
         Ok(code) => code,
@@ -252,5 +271,23 @@ async fn registry(args: RegistryArgs) -> Result<u8, Failure> {
     api::serve(args.listen, store, users)
         .await
         .map_err(|e| Failure(format!("cannot serve on {}: {e}", args.listen)))?;
+    Ok(exit::OK)
+}
+
+async fn tail(args: &TailArgs) -> Result<u8, Failure> {
+    let config = load(&args.config).map_err(config_failure)?;
+    let tables = match &args.table {
+        Some(t) if config.source.tables.contains(t) => vec![t.clone()],
+        Some(t) => return Err(Failure(format!("--table {t} is not one of source.tables"))),
+        None => config.source.tables.clone(),
+    };
+    crate::tail::run(
+        &config,
+        &tables,
+        args.max,
+        std::time::Duration::from_secs(args.idle_secs),
+    )
+    .await
+    .map_err(Failure)?;
     Ok(exit::OK)
 }

@@ -17,6 +17,7 @@ pub mod registry;
 pub mod secret;
 pub mod sink;
 pub mod source;
+pub mod tail;
 
 /// Resolves on SIGINT or SIGTERM: the one shutdown trigger of every
 /// long-running command.

@@ -44,22 +44,45 @@ impl RegistryClient {
         })
     }
 
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let url = format!("{}{path}", self.config.url.expose().trim_end_matches('/'));
+        let request = self.http.request(method, url);
+        match &self.config.username {
+            Some(user) => {
+                request.basic_auth(user, self.config.password.as_ref().map(|p| p.expose()))
+            }
+            None => request,
+        }
+    }
+
+    /// The schema text of a global id.
+    pub async fn schema_by_id(&self, id: u32) -> Result<String, ClientError> {
+        let response = self
+            .request(reqwest::Method::GET, &format!("/schemas/ids/{id}"))
+            .send()
+            .await
+            .map_err(|e| ClientError::Unreachable(e.without_url().to_string()))?;
+        let status = response.status().as_u16();
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        match body["schema"].as_str() {
+            Some(s) if status == 200 => Ok(s.to_string()),
+            _ => Err(ClientError::Refused {
+                subject: format!("schema id {id}"),
+                status,
+                message: body["message"].as_str().unwrap_or_default().to_string(),
+            }),
+        }
+    }
+
     /// Registers `schema` under `subject` and returns its id.
     pub async fn register(&self, subject: &str, schema: &Value) -> Result<u32, ClientError> {
-        let url = format!(
-            "{}/subjects/{}/versions",
-            self.config.url.expose().trim_end_matches('/'),
-            subject
-        );
-        let mut request = self
-            .http
-            .post(url)
+        let response = self
+            .request(
+                reqwest::Method::POST,
+                &format!("/subjects/{subject}/versions"),
+            )
             .header("Content-Type", "application/vnd.schemaregistry.v1+json")
-            .body(json!({ "schema": schema.to_string() }).to_string());
-        if let Some(user) = &self.config.username {
-            request = request.basic_auth(user, self.config.password.as_ref().map(|p| p.expose()));
-        }
-        let response = request
+            .body(json!({ "schema": schema.to_string() }).to_string())
             .send()
             .await
             .map_err(|e| ClientError::Unreachable(e.without_url().to_string()))?;
