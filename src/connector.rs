@@ -41,6 +41,8 @@ use crate::source::{self, catalog, slot};
 
 /// Messages awaiting Kafka's acknowledgement before reading pauses.
 pub const MAX_IN_FLIGHT: usize = 100_000;
+/// How long a restart waits for a crashed predecessor's session to end.
+const SLOT_RELEASE_WAIT: Duration = Duration::from_secs(60);
 /// How often confirmed progress is reported to Postgres.
 const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 
@@ -241,6 +243,10 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         slot::drop(&sql, &config.source.slot).await?;
         existing = None;
     }
+    if existing.as_ref().is_some_and(|s| s.active) {
+        // After a crash the old session may hold the slot for a moment.
+        existing = wait_until_inactive(&sql, &config.source.slot).await?;
+    }
     let initial_confirmed = match &existing {
         Some(_) => {
             let status = slot::verify_usable(&sql, &config).await?;
@@ -307,6 +313,30 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     advance_slot(&sql, &config.source.slot, confirmed).await;
     tracing::info!(confirmed = %Lsn(confirmed), "stopped");
     Ok(())
+}
+
+/// Waits up to [`SLOT_RELEASE_WAIT`] for another session to let go of the
+/// slot; a slot still held after that is an error naming the holder.
+async fn wait_until_inactive(
+    sql: &Client,
+    slot_name: &str,
+) -> Result<Option<slot::SlotStatus>, RunError> {
+    let deadline = std::time::Instant::now() + SLOT_RELEASE_WAIT;
+    loop {
+        let status = slot::status(sql, slot_name).await?;
+        match &status {
+            Some(s) if s.active && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Some(s) if s.active => {
+                return Err(RunError::Slot(slot::SlotError::Active {
+                    slot: slot_name.to_string(),
+                    pid: s.active_pid.unwrap_or_default(),
+                }))
+            }
+            _ => return Ok(status),
+        }
+    }
 }
 
 /// Moves the slot's confirmed position to `lsn` once the replication

@@ -273,3 +273,121 @@ async fn run_streams_snapshot_and_changes_as_debezium_envelopes() {
     assert!(stdout.contains("2001 c amount=5.25"), "{stdout}");
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn a_connector_killed_mid_stream_loses_nothing_and_replays_identical_positions() {
+    const TXNS: i64 = 100;
+    const ROWS: i64 = 1000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_kill").await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE public.bulk (id bigint PRIMARY KEY, v int NOT NULL)")
+        .await
+        .expect("table");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.bulk"],
+    ));
+    let topic = format!("{}.public.bulk", db.name);
+
+    let mut connector = ConnectorProcess::start(&config);
+    // Streaming has begun once the slot is held.
+    let probe = db.client().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let active = probe
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                &[&db.name],
+            )
+            .await
+            .expect("probe")
+            .is_some();
+        if active {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the connector never started streaming"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    for t in 0..TXNS {
+        client
+            .batch_execute(&format!(
+                "INSERT INTO public.bulk SELECT g, g % 7 FROM generate_series({}, {}) g",
+                t * ROWS + 1,
+                (t + 1) * ROWS
+            ))
+            .await
+            .expect("insert");
+        if t == TXNS / 3 {
+            let _ = connector.child.start_kill(); // SIGKILL
+            let _ = connector.child.wait().await;
+            connector = ConnectorProcess::start(&config);
+        }
+    }
+
+    let total = (TXNS * ROWS) as usize;
+    // Distinct key bytes are distinct ids.
+    let records =
+        support::read_topic_until(&stack, &topic, Duration::from_secs(300), move |records| {
+            records
+                .iter()
+                .filter_map(|r| r.key.as_deref())
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                >= total
+        })
+        .await;
+    assert_eq!(connector.terminate().await, 0);
+    let mut decoder = Decoder::new(&stack);
+    let mut seen = Vec::with_capacity(records.len());
+    for r in &records {
+        let (Some(k), Some(v)) = (&r.key, &r.value) else {
+            continue;
+        };
+        let key = decoder.decode(k).await;
+        let value = decoder.decode(v).await;
+        let src = get(&value, "source");
+        let (Value::Long(id), Value::Long(c), Value::Long(s)) =
+            (get(&key, "id"), get(src, "commit_lsn"), get(src, "seq"))
+        else {
+            panic!("event shape")
+        };
+        seen.push((*id, text(get(&value, "op")), *c, *s));
+    }
+
+    // Every committed change is there, and a duplicate is the same event.
+    let mut by_id: std::collections::HashMap<i64, (i64, i64)> = std::collections::HashMap::new();
+    for (id, op, commit, seq) in &seen {
+        assert_eq!(op, "c");
+        let first = *by_id.entry(*id).or_insert((*commit, *seq));
+        assert_eq!(
+            first,
+            (*commit, *seq),
+            "id {id} replayed with a different position"
+        );
+    }
+    assert_eq!(by_id.len(), total);
+    // The positions of each transaction are complete: seq 1..=ROWS.
+    let mut per_txn: std::collections::BTreeMap<i64, std::collections::BTreeSet<i64>> =
+        Default::default();
+    for (commit, seq) in by_id.values() {
+        per_txn.entry(*commit).or_default().insert(*seq);
+    }
+    assert_eq!(per_txn.len(), TXNS as usize);
+    for (commit, seqs) in &per_txn {
+        assert_eq!(seqs.len() as i64, ROWS, "transaction {commit}");
+        assert_eq!(
+            (seqs.first(), seqs.last()),
+            (Some(&1), Some(&ROWS)),
+            "transaction {commit}"
+        );
+    }
+    db.drop_db().await;
+}

@@ -466,6 +466,18 @@ pub async fn read_topic(
     count: usize,
     limit: std::time::Duration,
 ) -> Vec<Record> {
+    read_topic_until(stack, topic, limit, move |records| records.len() >= count).await
+}
+
+/// Reads a topic from the beginning of every partition until `done` holds
+/// for the records read so far (checked when the topic is idle and every
+/// 5,000 records), or panics after `limit`.
+pub async fn read_topic_until(
+    stack: &Stack,
+    topic: &str,
+    limit: std::time::Duration,
+    done: impl Fn(&[Record]) -> bool + Send + 'static,
+) -> Vec<Record> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::{Message, Offset, TopicPartitionList};
     let brokers = stack.brokers.clone();
@@ -501,22 +513,33 @@ pub async fn read_topic(
         }
         consumer.assign(&tpl).expect("assign");
         let mut out = Vec::new();
-        while out.len() < count {
+        let mut checked = 0;
+        loop {
+            match consumer.poll(std::time::Duration::from_millis(200)) {
+                Some(Ok(m)) => {
+                    out.push(Record {
+                        partition: m.partition(),
+                        offset: m.offset(),
+                        key: m.key().map(<[u8]>::to_vec),
+                        value: m.payload().map(<[u8]>::to_vec),
+                    });
+                    if out.len() - checked < 5_000 {
+                        continue;
+                    }
+                }
+                Some(Err(e)) => panic!("{topic}: {e}"),
+                None => {}
+            }
+            checked = out.len();
+            if done(&out) {
+                return out;
+            }
             assert!(
                 std::time::Instant::now() < deadline,
-                "{topic}: {} of {count} records after {limit:?}",
+                "{topic}: condition not met after {limit:?} ({} records read)",
                 out.len()
             );
-            if let Some(Ok(m)) = consumer.poll(std::time::Duration::from_millis(200)) {
-                out.push(Record {
-                    partition: m.partition(),
-                    offset: m.offset(),
-                    key: m.key().map(<[u8]>::to_vec),
-                    value: m.payload().map(<[u8]>::to_vec),
-                });
-            }
         }
-        out
     })
     .await
     .expect("reader task")
