@@ -114,6 +114,14 @@ pub struct SourceConfig {
     pub tables: Vec<String>,
     #[serde(default)]
     pub snapshot: SnapshotConfig,
+    /// Seconds between heartbeats (`pg_logical_emit_message`), which let
+    /// the slot advance while the captured tables are idle; 0 disables.
+    #[serde(default = "default_heartbeat_secs")]
+    pub heartbeat_interval_secs: u64,
+    /// Warn when the confirmed LSN has not moved for this many seconds
+    /// while WAL grows.
+    #[serde(default = "default_stall_secs")]
+    pub stall_warning_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,6 +155,18 @@ impl Default for SnapshotConfig {
     }
 }
 
+/// Heartbeats every 10 s keep an idle slot's lag near the WAL written in
+/// that time.
+pub const DEFAULT_HEARTBEAT_SECS: u64 = 10;
+/// Five minutes without progress while WAL grows is worth an operator's look.
+pub const DEFAULT_STALL_SECS: u64 = 300;
+
+fn default_heartbeat_secs() -> u64 {
+    DEFAULT_HEARTBEAT_SECS
+}
+fn default_stall_secs() -> u64 {
+    DEFAULT_STALL_SECS
+}
 fn default_snapshot_workers() -> usize {
     DEFAULT_SNAPSHOT_WORKERS
 }
@@ -393,6 +413,11 @@ impl Config {
             (1..=64).contains(&src.snapshot.workers),
             "source.snapshot.workers",
             "must be between 1 and 64",
+        );
+        v.check(
+            src.stall_warning_secs > 0,
+            "source.stall_warning_secs",
+            "must be greater than 0",
         );
         v.check(
             src.snapshot.chunk_rows > 0,

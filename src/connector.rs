@@ -525,10 +525,24 @@ async fn stream(
     tokio::pin!(shutdown);
     let mut txn: Option<Txn> = None;
     let mut last_release = *confirmed.borrow();
+    let src = &output.config.source;
+    let heartbeat_every = Duration::from_secs(src.heartbeat_interval_secs.max(1));
+    let mut heartbeat = tokio::time::interval(heartbeat_every);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stall = Stall::new(Duration::from_secs(src.stall_warning_secs));
     loop {
         tokio::select! {
             biased;
             _ = &mut shutdown => return Ok(last_release),
+            _ = heartbeat.tick() => {
+                if src.heartbeat_interval_secs > 0 {
+                    // A WAL record of our own, so the slot can advance past
+                    // WAL that the captured tables did not write.
+                    sql.execute("SELECT pg_logical_emit_message(false, 'pgcdc.heartbeat', '')", &[])
+                        .await?;
+                }
+                stall.check(sql, &src.slot, *confirmed.borrow()).await;
+            }
             r = failed.changed() => {
                 if r.is_ok() {
                     if let Some(e) = failed.borrow().clone() {
@@ -571,10 +585,67 @@ async fn stream(
                         let msg = pgoutput::decode(&data).map_err(|source| RunError::Decode { lsn, source })?;
                         on_message(output, sql, &mut codecs, txn.as_mut(), lsn, msg).await?;
                     }
+                    ReplicationEvent::Message { transactional: false, lsn, .. } => {
+                        // Outside a transaction everything before it was seen.
+                        if txn.is_none() && lsn.as_u64() > last_release {
+                            last_release = lsn.as_u64();
+                            output.acks.release(last_release).await.map_err(RunError::Delivery)?;
+                        }
+                    }
                     ReplicationEvent::Message { .. } => {}
                     ReplicationEvent::StoppedAt { .. } => return Ok(last_release),
                 }
             }
+        }
+    }
+}
+
+/// Detects a slot whose confirmed LSN stands still while WAL grows.
+struct Stall {
+    after: Duration,
+    last_confirmed: u64,
+    since: std::time::Instant,
+    warned: bool,
+}
+
+impl Stall {
+    fn new(after: Duration) -> Stall {
+        Stall {
+            after,
+            last_confirmed: 0,
+            since: std::time::Instant::now(),
+            warned: false,
+        }
+    }
+
+    async fn check(&mut self, sql: &Client, slot_name: &str, confirmed: u64) {
+        if confirmed != self.last_confirmed {
+            self.last_confirmed = confirmed;
+            self.since = std::time::Instant::now();
+            self.warned = false;
+            return;
+        }
+        if self.warned || self.since.elapsed() < self.after {
+            return;
+        }
+        let behind: Option<i64> = sql
+            .query_opt(
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::bigint",
+                &[&Lsn(confirmed).to_string()],
+            )
+            .await
+            .ok()
+            .flatten()
+            .map(|r| r.get(0));
+        if let Some(bytes) = behind.filter(|b| *b > 0) {
+            tracing::warn!(
+                slot = %slot_name,
+                confirmed = %Lsn(confirmed),
+                behind_bytes = bytes,
+                stalled_secs = self.since.elapsed().as_secs(),
+                "the slot's confirmed LSN has not moved while WAL grows; Postgres retains WAL for it"
+            );
+            self.warned = true;
         }
     }
 }

@@ -391,3 +391,73 @@ async fn a_connector_killed_mid_stream_loses_nothing_and_replays_identical_posit
     }
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_idle").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.quiet (id bigint PRIMARY KEY);
+             CREATE TABLE public.busy (id bigserial PRIMARY KEY, v text)",
+        )
+        .await
+        .expect("tables");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.quiet"])
+        .replace("tables = [", "heartbeat_interval_secs = 1\ntables = [");
+    let config = ConfigFile::write(&toml);
+    let connector = ConnectorProcess::start(&config);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let streaming = client
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                &[&db.name],
+            )
+            .await
+            .expect("slot")
+            .is_some();
+        if streaming {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never streaming");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Busy WAL that the captured table did not write.
+    for _ in 0..50 {
+        client
+            .batch_execute(
+                "INSERT INTO public.busy (v) SELECT repeat('x', 500) FROM generate_series(1, 200)",
+            )
+            .await
+            .expect("busy");
+    }
+    let target: String = client
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .expect("lsn")
+        .get(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let passed: bool = client
+            .query_one(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.name, &target],
+            )
+            .await
+            .expect("slot")
+            .get(0);
+        if passed {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot did not advance past {target} while only other tables were busy"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
