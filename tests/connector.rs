@@ -461,3 +461,110 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn toast_full_identity_truncate_and_schema_changes_are_carried_faithfully() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_shapes").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.docs (id bigint PRIMARY KEY, title text, body text);
+             ALTER TABLE public.docs ALTER COLUMN body SET STORAGE EXTERNAL;
+             CREATE TABLE public.audit (id bigint PRIMARY KEY, note text);
+             ALTER TABLE public.audit REPLICA IDENTITY FULL;",
+        )
+        .await
+        .expect("tables");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.docs", "public.audit"],
+    ));
+    let docs = format!("{}.public.docs", db.name);
+    let audit = format!("{}.public.audit", db.name);
+    let connector = ConnectorProcess::start(&config);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while client
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+            &[&db.name],
+        )
+        .await
+        .expect("slot")
+        .is_none()
+    {
+        assert!(std::time::Instant::now() < deadline, "never streaming");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    client
+        .batch_execute(
+            "INSERT INTO public.docs VALUES (1, 'a', repeat('0123456789', 10000));
+             UPDATE public.docs SET title = 'b' WHERE id = 1;
+             INSERT INTO public.audit VALUES (1, 'first');
+             UPDATE public.audit SET note = 'second' WHERE id = 1;
+             ALTER TABLE public.docs ADD COLUMN pages int NOT NULL DEFAULT 7;
+             INSERT INTO public.docs (id, title, body) VALUES (2, 'c', 'short');
+             ALTER TABLE public.docs DROP COLUMN title;
+             INSERT INTO public.docs (id, body, pages) VALUES (3, 'x', 9);
+             TRUNCATE public.audit;",
+        )
+        .await
+        .expect("workload");
+
+    let doc_events = events(&stack, &docs, 4).await;
+    // The update left the TOASTed body out: it is marked, never faked.
+    let update = doc_events.iter().find(|e| e.op() == "u").expect("update");
+    assert_eq!(update.after("title"), &Value::String("b".into()));
+    assert_eq!(
+        update.after("body"),
+        &Value::Enum(0, "UNCHANGED_TOAST".into())
+    );
+    let insert = doc_events
+        .iter()
+        .find(|e| e.op() == "c" && e.key_id() == 1)
+        .expect("insert");
+    assert!(matches!(insert.after("body"), Value::String(b) if b.len() == 100_000));
+    // ADD COLUMN: a new value schema version carries the column.
+    let second = doc_events.iter().find(|e| e.key_id() == 2).expect("row 2");
+    assert_eq!(second.after("pages"), &Value::Int(7));
+    // DROP COLUMN: the next shape no longer has it.
+    let third = doc_events.iter().find(|e| e.key_id() == 3).expect("row 3");
+    assert_eq!(third.after("pages"), &Value::Int(9));
+    let Value::Record(fields) = get(third.value.as_ref().expect("value"), "after") else {
+        panic!("after")
+    };
+    assert!(fields.iter().all(|(n, _)| n != "title"), "{fields:?}");
+    let versions: serde_json::Value = reqwest::get(format!(
+        "{}/subjects/{docs}-value/versions",
+        stack.registry_url
+    ))
+    .await
+    .expect("versions")
+    .json()
+    .await
+    .expect("json");
+    assert_eq!(
+        versions,
+        serde_json::json!([1, 2, 3]),
+        "one value schema version per shape"
+    );
+
+    // REPLICA IDENTITY FULL: updates carry the whole old row; truncate is an event.
+    let audit_events = events(&stack, &audit, 3).await;
+    let upd = audit_events
+        .iter()
+        .find(|e| e.op() == "u")
+        .expect("audit update");
+    assert_eq!(upd.before("note"), &Value::String("first".into()));
+    assert_eq!(upd.after("note"), &Value::String("second".into()));
+    let truncate = audit_events
+        .iter()
+        .find(|e| e.op() == "t")
+        .expect("truncate event");
+    assert!(truncate.key.is_none(), "a truncate has no key");
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}

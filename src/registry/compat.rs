@@ -117,8 +117,62 @@ fn canonical_json(v: &serde_json::Value) -> String {
     }
 }
 
+/// Replaces references to named types with their definitions; a recursive
+/// reference stays a reference. The checker matches a reference only with a
+/// reference of the same name, so without this a type defined in one field
+/// and referenced from another would look incompatible once the defining
+/// field moves (for example after a column is dropped).
+fn inline_refs(schema: &Schema) -> Schema {
+    use apache_avro::schema::{ArraySchema, MapSchema, Name, ResolvedSchema, UnionSchema};
+    use std::collections::HashMap;
+    fn go(s: &Schema, names: &HashMap<Name, &Schema>, stack: &mut Vec<Name>) -> Schema {
+        match s {
+            Schema::Ref { name } if !stack.contains(name) => match names.get(name) {
+                Some(def) => go(def, names, stack),
+                None => s.clone(),
+            },
+            Schema::Record(r) => {
+                stack.push(r.name.clone());
+                let mut r = r.clone();
+                for f in &mut r.fields {
+                    f.schema = go(&f.schema, names, stack);
+                }
+                stack.pop();
+                Schema::Record(r)
+            }
+            Schema::Union(u) => {
+                let variants = u.variants().iter().map(|v| go(v, names, stack)).collect();
+                UnionSchema::new(variants)
+                    .map(Schema::Union)
+                    .unwrap_or_else(|_| s.clone())
+            }
+            Schema::Array(a) => Schema::Array(ArraySchema {
+                items: Box::new(go(&a.items, names, stack)),
+                attributes: a.attributes.clone(),
+            }),
+            Schema::Map(m) => Schema::Map(MapSchema {
+                types: Box::new(go(&m.types, names, stack)),
+                attributes: m.attributes.clone(),
+            }),
+            other => other.clone(),
+        }
+    }
+    match ResolvedSchema::try_from(schema) {
+        Ok(resolved) => {
+            let names: HashMap<Name, &Schema> = resolved
+                .get_names()
+                .iter()
+                .map(|(k, v)| (k.clone(), *v))
+                .collect();
+            go(schema, &names, &mut Vec::new())
+        }
+        Err(_) => schema.clone(),
+    }
+}
+
 /// Whether `reader` can fully read data written with `writer`.
 pub fn can_read(writer: &Schema, reader: &Schema) -> Result<(), String> {
+    let (writer, reader) = (&inline_refs(writer), &inline_refs(reader));
     match SchemaCompatibility::can_read(writer, reader) {
         Ok(Compatibility::Full) => Ok(()),
         Ok(Compatibility::Partial) => Err(
@@ -266,6 +320,25 @@ mod tests {
         assert!(problems[0].contains("version 1"), "{problems:?}");
         assert!(!check(Level::FullTransitive, &v3, &history).is_empty());
         assert!(check(Level::ForwardTransitive, &v3, &history).is_empty());
+    }
+
+    #[test]
+    fn a_named_type_may_move_between_fields() {
+        // v1 defines the enum in `a` and references it from `b`; v2 drops
+        // `a`, so `b` defines it. Dropping a field stays BACKWARD compatible.
+        let v1 = s(r#"{"type":"record","name":"R","fields":[
+            {"name":"a","type":["null",{"type":"enum","name":"E","symbols":["X"]}],"default":null},
+            {"name":"b","type":["null","E"],"default":null}]}"#);
+        let v2 = s(r#"{"type":"record","name":"R","fields":[
+            {"name":"b","type":["null",{"type":"enum","name":"E","symbols":["X"]}],"default":null}]}"#);
+        assert!(check(Level::Full, &v2, &[(1, v1)]).is_empty());
+    }
+
+    #[test]
+    fn recursive_types_are_checked_without_looping() {
+        let list = s(r#"{"type":"record","name":"Node","fields":[
+            {"name":"v","type":"long"},{"name":"next","type":["null","Node"],"default":null}]}"#);
+        assert!(can_read(&list, &list).is_ok());
     }
 
     #[test]
