@@ -21,7 +21,7 @@
 //!                         standby status updates ◄───────┴─────────────────────────────────────┘
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,6 +36,7 @@ use crate::encode::types::{Input, SESSION_SETTINGS};
 use crate::encode::{ColumnDesc, EncodeError, Op, Position, SourceInfo, TableCodec, TableDesc};
 use crate::registry::client::{ClientError, RegistryClient};
 use crate::sink::{self, Acks};
+use crate::snapshot_marker::{self, Marker, Phase};
 use crate::source::pgoutput::{self, Datum, Lsn, Message, OldTuple};
 use crate::source::{self, catalog, slot};
 
@@ -237,15 +238,28 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         .await?
         .get(0);
 
+    snapshot_marker::ensure_topic(&config).await?;
+    let marker_topic = snapshot_marker::topic(&config);
+
     let mut existing = slot::status(&sql, &config.source.slot).await?;
+    if existing.as_ref().is_some_and(|s| s.active) {
+        // After a crash the old session may hold the slot for a moment.
+        existing = wait_until_inactive(&sql, &config.source.slot).await?;
+    }
     if existing.is_some() && config.source.snapshot.mode == SnapshotMode::Always {
         tracing::info!(slot = %config.source.slot, "snapshot mode always: dropping the slot to take a new snapshot");
         slot::drop(&sql, &config.source.slot).await?;
         existing = None;
     }
-    if existing.as_ref().is_some_and(|s| s.active) {
-        // After a crash the old session may hold the slot for a moment.
-        existing = wait_until_inactive(&sql, &config.source.slot).await?;
+    if existing.is_some() && config.source.snapshot.mode != SnapshotMode::Never {
+        let marker = snapshot_marker::latest(&config.kafka, &marker_topic, &config.source.slot)
+            .await
+            .map_err(RunError::Delivery)?;
+        if marker.is_some_and(|m| m.phase == Phase::Started) {
+            tracing::warn!(slot = %config.source.slot, "the slot's snapshot was interrupted; dropping the slot and taking the snapshot again");
+            slot::drop(&sql, &config.source.slot).await?;
+            existing = None;
+        }
     }
     let initial_confirmed = match &existing {
         Some(_) => {
@@ -271,6 +285,25 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     let mut codecs: HashMap<u32, TableCodec> = HashMap::new();
     if existing.is_none() {
         let snapshot = config.source.snapshot.mode != SnapshotMode::Never;
+        let mut marker = Marker {
+            slot: config.source.slot.clone(),
+            phase: Phase::Started,
+            consistent_point: None,
+            start_offsets: Default::default(),
+            end_offsets: Default::default(),
+            rows: Default::default(),
+            ts_ms: now_ms(),
+        };
+        if snapshot {
+            // Before the slot exists: a crash from here on leaves a slot
+            // whose latest marker says its snapshot is unfinished.
+            marker.start_offsets = snapshot_marker::end_offsets(&config.kafka, &topics)
+                .await
+                .map_err(RunError::Delivery)?;
+            snapshot_marker::write(&output.producer, &config, &marker)
+                .await
+                .map_err(RunError::Delivery)?;
+        }
         let rows = repl
             .simple_query(&format!(
                 "CREATE_REPLICATION_SLOT {} LOGICAL pgoutput (SNAPSHOT '{}')",
@@ -289,7 +322,18 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         tracing::info!(slot = %config.source.slot, %consistent_point, "slot created");
         if snapshot {
             let name = field(2).ok_or_else(|| RunError::Config("no exported snapshot".into()))?;
-            codecs = run_snapshot(&output, &name, consistent_point).await?;
+            let (snapshot_codecs, rows) = run_snapshot(&output, &name, consistent_point).await?;
+            codecs = snapshot_codecs;
+            marker.phase = Phase::Completed;
+            marker.consistent_point = Some(consistent_point.to_string());
+            marker.rows = rows;
+            marker.end_offsets = snapshot_marker::end_offsets(&config.kafka, &topics)
+                .await
+                .map_err(RunError::Delivery)?;
+            marker.ts_ms = now_ms();
+            snapshot_marker::write(&output.producer, &config, &marker)
+                .await
+                .map_err(RunError::Delivery)?;
         }
     }
 
@@ -378,7 +422,7 @@ async fn run_snapshot(
     output: &Output,
     snapshot_name: &str,
     consistent_point: Lsn,
-) -> Result<HashMap<u32, TableCodec>, RunError> {
+) -> Result<(HashMap<u32, TableCodec>, BTreeMap<String, u64>), RunError> {
     let config = &output.config;
     let limit = Arc::new(tokio::sync::Semaphore::new(config.source.snapshot.workers));
     let mut tasks = tokio::task::JoinSet::new();
@@ -395,11 +439,13 @@ async fn run_snapshot(
         });
     }
     let mut codecs = HashMap::new();
+    let mut rows = BTreeMap::new();
     while let Some(done) = tasks.join_next().await {
-        let (oid, codec) = done.map_err(|e| RunError::Snapshot {
+        let (oid, codec, count) = done.map_err(|e| RunError::Snapshot {
             table: "?".into(),
             message: e.to_string(),
         })??;
+        rows.insert(codec.desc.qualified(), count);
         codecs.insert(oid, codec);
     }
     // Streaming starts only after Kafka holds the whole snapshot.
@@ -421,7 +467,7 @@ async fn run_snapshot(
         }
     }
     tracing::info!(%consistent_point, tables = codecs.len(), "snapshot complete");
-    Ok(codecs)
+    Ok((codecs, rows))
 }
 
 async fn snapshot_table(
@@ -429,7 +475,7 @@ async fn snapshot_table(
     snapshot_name: &str,
     table: &str,
     consistent_point: Lsn,
-) -> Result<(u32, TableCodec), RunError> {
+) -> Result<(u32, TableCodec, u64), RunError> {
     let client = sql_session(&output.config).await?;
     client
         .batch_execute(&format!(
@@ -498,7 +544,7 @@ async fn snapshot_table(
     }
     client.batch_execute("COMMIT").await?;
     tracing::info!(%table, rows, secs = started.elapsed().as_secs_f64(), "table snapshot done");
-    Ok((oid, codec))
+    Ok((oid, codec, rows))
 }
 
 /// Per-transaction state of the stream.

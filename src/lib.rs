@@ -16,6 +16,7 @@ pub mod preflight;
 pub mod registry;
 pub mod secret;
 pub mod sink;
+pub mod snapshot_marker;
 pub mod source;
 pub mod tail;
 

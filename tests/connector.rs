@@ -568,3 +568,72 @@ async fn toast_full_identity_truncate_and_schema_changes_are_carried_faithfully(
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
+    const ROWS: i64 = 200_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_snapkill").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.big (id bigint PRIMARY KEY, v text);
+             INSERT INTO public.big SELECT g, md5(g::text) FROM generate_series(1, {ROWS}) g;"
+        ))
+        .await
+        .expect("table");
+    let config_toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.big"]);
+    let config = ConfigFile::write(&config_toml);
+    let parsed = pgcdc::config::Config::from_toml(&config_toml, "test", &[]).expect("config");
+    let topic = format!("{}.public.big", db.name);
+    let markers = pgcdc::snapshot_marker::topic(&parsed);
+
+    let mut connector = ConnectorProcess::start(&config);
+    support::read_topic(&stack, &topic, 1000, Duration::from_secs(120)).await;
+    let _ = connector.child.start_kill(); // SIGKILL mid-snapshot
+    let _ = connector.child.wait().await;
+    let marker = pgcdc::snapshot_marker::latest(&parsed.kafka, &markers, &db.name)
+        .await
+        .expect("marker");
+    assert_eq!(
+        marker.map(|m| m.phase),
+        Some(pgcdc::snapshot_marker::Phase::Started),
+        "the kill must land mid-snapshot for this test to mean anything"
+    );
+
+    let connector = ConnectorProcess::start(&config);
+    let total = ROWS as usize;
+    let records =
+        support::read_topic_until(&stack, &topic, Duration::from_secs(300), move |records| {
+            records
+                .iter()
+                .filter_map(|r| r.key.as_deref())
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                >= total
+        })
+        .await;
+    assert!(records.len() >= total);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let completed = loop {
+        let m = pgcdc::snapshot_marker::latest(&parsed.kafka, &markers, &db.name)
+            .await
+            .expect("marker");
+        if let Some(m) = m.filter(|m| m.phase == pgcdc::snapshot_marker::Phase::Completed) {
+            break m;
+        }
+        assert!(std::time::Instant::now() < deadline, "no completed marker");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(completed.rows.get("public.big"), Some(&(ROWS as u64)));
+    assert!(completed.consistent_point.is_some());
+    let start: i64 = completed.start_offsets[&topic].values().sum();
+    let end: i64 = completed.end_offsets[&topic].values().sum();
+    assert_eq!(
+        end - start,
+        ROWS,
+        "the marker brackets exactly the snapshot's rows"
+    );
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}

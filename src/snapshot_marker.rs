@@ -1,0 +1,166 @@
+//! Snapshot markers: the durable record of a snapshot's life, in the
+//! compacted topic `<prefix>.snapshots`, keyed by slot.
+//!
+//! Guarantees:
+//! - A `started` marker is written *before* the slot is created, and a
+//!   `completed` marker only after Kafka acknowledged every snapshot row.
+//!   So a slot whose latest marker is `started` belongs to an interrupted
+//!   snapshot, and the connector redoes it rather than streaming on from a
+//!   slot whose snapshot is missing rows.
+//! - Markers record, per changelog partition, the offset where the
+//!   snapshot's rows begin and end, so `pgcdc retention` can tell whether a
+//!   retained log still begins with a complete snapshot.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{Message, Offset, TopicPartitionList};
+use serde::{Deserialize, Serialize};
+
+use crate::config::{Config, KafkaConfig};
+use crate::sink;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Phase {
+    Started,
+    Completed,
+}
+
+/// One marker record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Marker {
+    pub slot: String,
+    pub phase: Phase,
+    /// The slot's consistent point (unknown in a `started` marker, which is
+    /// written before the slot exists).
+    pub consistent_point: Option<String>,
+    /// topic → partition → end offset at the start of the snapshot.
+    pub start_offsets: BTreeMap<String, BTreeMap<i32, i64>>,
+    /// topic → partition → end offset once the snapshot was acknowledged.
+    pub end_offsets: BTreeMap<String, BTreeMap<i32, i64>>,
+    /// table → rows copied.
+    pub rows: BTreeMap<String, u64>,
+    pub ts_ms: i64,
+}
+
+pub fn topic(config: &Config) -> String {
+    format!("{}.snapshots", config.kafka.topic_prefix)
+}
+
+/// Creates the marker topic: one partition, compacted, so the latest marker
+/// of every slot is kept for good.
+pub async fn ensure_topic(config: &Config) -> Result<(), rdkafka::error::KafkaError> {
+    let mut kafka = config.kafka.clone();
+    kafka.partitions = 1;
+    kafka.cleanup_policy = crate::config::CleanupPolicy::Compact;
+    sink::ensure_topics(&kafka, &[topic(config)]).await
+}
+
+/// Writes a marker and waits for Kafka to acknowledge it.
+pub async fn write(
+    producer: &FutureProducer,
+    config: &Config,
+    marker: &Marker,
+) -> Result<(), String> {
+    let payload = serde_json::to_vec(marker).map_err(|e| e.to_string())?;
+    let f = sink::send(
+        producer,
+        &topic(config),
+        Some(marker.slot.as_bytes()),
+        Some(&payload),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    match f.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(format!("snapshot marker not written: {e}")),
+        Err(_) => Err("snapshot marker not written: producer dropped".into()),
+    }
+}
+
+/// The latest marker of `slot`, reading the whole (compacted) topic.
+pub async fn latest(
+    kafka: &KafkaConfig,
+    topic: &str,
+    slot: &str,
+) -> Result<Option<Marker>, String> {
+    let (kafka, topic, slot) = (kafka.clone(), topic.to_string(), slot.to_string());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = sink::client_config(&kafka)
+            .set("group.id", "pgcdc-snapshot-markers")
+            .set("enable.auto.commit", "false")
+            .create()
+            .map_err(|e| e.to_string())?;
+        let (low, high) = consumer
+            .fetch_watermarks(&topic, 0, Duration::from_secs(10))
+            .map_err(|e| format!("{topic}: {e}"))?;
+        if high <= low {
+            return Ok(None);
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, 0, Offset::Beginning)
+            .map_err(|e| e.to_string())?;
+        consumer.assign(&tpl).map_err(|e| e.to_string())?;
+        let mut found = None;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if std::time::Instant::now() > deadline {
+                return Err(format!("{topic}: could not read up to offset {high}"));
+            }
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(m)) => {
+                    if m.key() == Some(slot.as_bytes()) {
+                        found = m
+                            .payload()
+                            .map(|p| serde_json::from_slice::<Marker>(p))
+                            .transpose()
+                            .map_err(|e| format!("{topic}@{}: {e}", m.offset()))?;
+                    }
+                    if m.offset() + 1 >= high {
+                        return Ok(found);
+                    }
+                }
+                Some(Err(e)) => return Err(format!("{topic}: {e}")),
+                None => {}
+            }
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// End offsets of every partition of `topics`.
+pub async fn end_offsets(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
+    let (kafka, topics) = (kafka.clone(), topics.to_vec());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = sink::client_config(&kafka)
+            .set("group.id", "pgcdc-snapshot-markers")
+            .create()
+            .map_err(|e| e.to_string())?;
+        let mut out = BTreeMap::new();
+        for topic in &topics {
+            let md = consumer
+                .fetch_metadata(Some(topic), Duration::from_secs(10))
+                .map_err(|e| format!("{topic}: {e}"))?;
+            let mut parts = BTreeMap::new();
+            for t in md.topics() {
+                for p in t.partitions() {
+                    let (_, high) = consumer
+                        .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+                        .map_err(|e| format!("{topic}/{}: {e}", p.id()))?;
+                    parts.insert(p.id(), high);
+                }
+            }
+            out.insert(topic.clone(), parts);
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
