@@ -115,7 +115,7 @@ pub async fn latest(
                     if m.key() == Some(slot.as_bytes()) {
                         found = m
                             .payload()
-                            .map(|p| serde_json::from_slice::<Marker>(p))
+                            .map(serde_json::from_slice::<Marker>)
                             .transpose()
                             .map_err(|e| format!("{topic}@{}: {e}", m.offset()))?;
                     }
