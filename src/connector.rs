@@ -33,7 +33,9 @@ use tokio_postgres::Client;
 
 use crate::config::{split_table, Config, SnapshotMode};
 use crate::encode::types::{Input, SESSION_SETTINGS};
-use crate::encode::{ColumnDesc, EncodeError, Op, Position, SourceInfo, TableCodec, TableDesc};
+use crate::encode::{
+    ColumnDesc, EncodeError, Op, Position, SourceInfo, TableCodec, TableDesc, TransactionCodec,
+};
 use crate::registry::client::{ClientError, RegistryClient};
 use crate::sink::{self, Acks};
 use crate::snapshot_marker::{self, Marker, Phase};
@@ -80,6 +82,12 @@ pub enum RunError {
     UnknownRelation { lsn: Lsn, oid: u32 },
     #[error("snapshot of {table}: {message}")]
     Snapshot { table: String, message: String },
+}
+
+/// `<prefix>.transaction`: BEGIN and END records of every transaction that
+/// changed a captured table.
+pub fn transaction_topic(config: &Config) -> String {
+    format!("{}.transaction", config.kafka.topic_prefix)
 }
 
 /// Session options (`-c name=value ...`) under which values are decoded.
@@ -135,6 +143,7 @@ async fn sql_session(config: &Config) -> Result<Client, RunError> {
 #[derive(Clone)]
 struct Output {
     config: Arc<Config>,
+    transactions: Arc<TransactionCodec>,
     registry: RegistryClient,
     producer: FutureProducer,
     acks: Arc<Acks>,
@@ -162,6 +171,13 @@ impl Output {
         codec.set_ids(key_id, value_id);
         tracing::info!(%topic, key_id, value_id, "table schema registered");
         Ok(codec)
+    }
+
+    /// Produces a BEGIN or END record on the transaction topic.
+    async fn emit_transaction(&self, key: &[u8], value: &[u8]) -> Result<(), RunError> {
+        let topic = transaction_topic(&self.config);
+        let f = sink::send(&self.producer, &topic, Some(key), Some(value)).await?;
+        self.acks.delivery(f).await.map_err(RunError::Delivery)
     }
 
     /// Produces one event (and its tombstone after a delete).
@@ -273,8 +289,24 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         None => 0,
     };
 
+    let registry = RegistryClient::new(&config.registry)?;
+    let mut transactions = TransactionCodec::new().map_err(|source| RunError::Encode {
+        table: transaction_topic(&config),
+        lsn: Lsn(0),
+        source,
+    })?;
+    let txn_topic = transaction_topic(&config);
+    transactions.set_ids(
+        registry
+            .register(&format!("{txn_topic}-key"), &transactions.key_schema)
+            .await?,
+        registry
+            .register(&format!("{txn_topic}-value"), &transactions.value_schema)
+            .await?,
+    );
     let output = Output {
-        registry: RegistryClient::new(&config.registry)?,
+        transactions: Arc::new(transactions),
+        registry,
         producer: sink::producer(&config.kafka)?,
         acks: Arc::new(Acks::start(initial_confirmed, MAX_IN_FLIGHT)),
         db: Arc::from(db.as_str()),
@@ -557,6 +589,13 @@ struct Txn {
     table_order: HashMap<u32, u64>,
 }
 
+impl Txn {
+    /// Debezium's transaction id: `<xid>:<commit LSN>`.
+    fn id(&self) -> String {
+        format!("{}:{}", self.xid, self.commit_lsn)
+    }
+}
+
 /// Reads the replication stream until shutdown; returns the last position
 /// that may be confirmed once everything in flight is acknowledged.
 async fn stream(
@@ -615,7 +654,21 @@ async fn stream(
                         });
                     }
                     ReplicationEvent::Commit { end_lsn, .. } => {
-                        txn = None;
+                        if let Some(t) = txn.take().filter(|t| t.seq > 0) {
+                            let counts: Vec<(String, u64)> = t
+                                .table_order
+                                .iter()
+                                .map(|(oid, n)| {
+                                    let table = codecs.get(oid).map(|c| c.desc.qualified()).unwrap_or_else(|| oid.to_string());
+                                    (format!("{}.{table}", output.config.kafka.topic_prefix), *n)
+                                })
+                                .collect();
+                            let (k, v) = output
+                                .transactions
+                                .end(&t.id(), &counts, t.ts_ms)
+                                .map_err(|source| RunError::Encode { table: transaction_topic(&output.config), lsn: Lsn(t.commit_lsn), source })?;
+                            output.emit_transaction(&k, &v).await?;
+                        }
                         last_release = last_release.max(end_lsn.as_u64());
                         output.acks.release(end_lsn.as_u64()).await.map_err(RunError::Delivery)?;
                     }
@@ -770,6 +823,17 @@ async fn on_message(
         let codec = codecs
             .get(&oid)
             .ok_or(RunError::UnknownRelation { lsn, oid })?;
+        if txn.seq == 0 {
+            let (k, v) = output
+                .transactions
+                .begin(&txn.id(), txn.ts_ms)
+                .map_err(|source| RunError::Encode {
+                    table: transaction_topic(&output.config),
+                    lsn,
+                    source,
+                })?;
+            output.emit_transaction(&k, &v).await?;
+        }
         txn.seq += 1;
         let order = txn.table_order.entry(oid).or_default();
         *order += 1;

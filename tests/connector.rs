@@ -214,6 +214,39 @@ async fn run_streams_snapshot_and_changes_as_debezium_envelopes() {
         &Value::String("customers".into())
     );
 
+    // The transaction topic brackets the multi-table transaction.
+    let tx_id = text(get(tx, "id"));
+    let txn_records = support::read_topic(
+        &stack,
+        &format!("{}.transaction", db.name),
+        // Two transactions: the explicit one, then the implicit one of the
+        // remaining statements of the same simple query.
+        4,
+        Duration::from_secs(60),
+    )
+    .await;
+    let mut decoder = Decoder::new(&stack);
+    let mut statuses = Vec::new();
+    for r in &txn_records {
+        let v = decoder.decode(r.value.as_deref().expect("value")).await;
+        if text(get(&v, "id")) == tx_id {
+            statuses.push(text(get(&v, "status")));
+            if text(get(&v, "status")) == "END" {
+                assert_eq!(get(&v, "event_count"), &Value::Long(2));
+                let Value::Array(collections) = get(&v, "data_collections") else {
+                    panic!("data_collections")
+                };
+                let mut names: Vec<String> = collections
+                    .iter()
+                    .map(|c| text(get(c, "data_collection")))
+                    .collect();
+                names.sort();
+                assert_eq!(names, [customers_topic.clone(), orders_topic.clone()]);
+            }
+        }
+    }
+    assert_eq!(statuses, ["BEGIN", "END"], "transaction {tx_id}");
+
     // A graceful stop confirms everything; a restart resumes without replay.
     assert_eq!(connector.terminate().await, 0);
     let lag: i64 = client

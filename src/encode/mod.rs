@@ -275,19 +275,9 @@ impl TableCodec {
                 }], "default": null}
             ]
         });
-        // Leaked: a writer borrows its schema, and a table has one codec per
-        // shape for the life of the process (bounded by schema changes).
-        let writer = |j: &Json| -> Result<GenericDatumWriter<'static>, EncodeError> {
-            let schema: &'static Schema = Box::leak(Box::new(
-                Schema::parse(j).map_err(|e| EncodeError::Avro(e.to_string()))?,
-            ));
-            GenericDatumWriter::builder(schema)
-                .build()
-                .map_err(|e| EncodeError::Avro(e.to_string()))
-        };
         Ok(TableCodec {
-            key_writer: writer(&key_schema)?,
-            value_writer: writer(&value_schema)?,
+            key_writer: leak_writer(&key_schema)?,
+            value_writer: leak_writer(&value_schema)?,
             key_schema,
             value_schema,
             kinds,
@@ -455,6 +445,131 @@ fn frame(
         .write_value_ref(&mut out, value)
         .map_err(|e| EncodeError::Avro(e.to_string()))?;
     Ok(out)
+}
+
+/// BEGIN and END records of the transaction topic, as Debezium writes them.
+pub struct TransactionCodec {
+    pub key_schema: Json,
+    pub value_schema: Json,
+    key_writer: GenericDatumWriter<'static>,
+    value_writer: GenericDatumWriter<'static>,
+    ids: Option<(u32, u32)>,
+}
+
+impl std::fmt::Debug for TransactionCodec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TransactionCodec")
+            .field("ids", &self.ids)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TransactionCodec {
+    pub fn new() -> Result<TransactionCodec, EncodeError> {
+        let key_schema = json!({
+            "type": "record", "name": "TransactionMetadataKey", "namespace": "io.debezium.connector.common",
+            "fields": [{"name": "id", "type": "string"}]
+        });
+        let value_schema = json!({
+            "type": "record", "name": "TransactionMetadataValue", "namespace": "io.debezium.connector.common",
+            "fields": [
+                {"name": "status", "type": "string"},
+                {"name": "id", "type": "string"},
+                {"name": "event_count", "type": ["null", "long"], "default": null},
+                {"name": "data_collections", "type": ["null", {"type": "array", "items": {
+                    "type": "record", "name": "event_count", "namespace": "io.debezium.connector.common",
+                    "fields": [
+                        {"name": "data_collection", "type": "string"},
+                        {"name": "event_count", "type": "long"}
+                    ]}}], "default": null},
+                {"name": "ts_ms", "type": "long"}
+            ]
+        });
+        Ok(TransactionCodec {
+            key_writer: leak_writer(&key_schema)?,
+            value_writer: leak_writer(&value_schema)?,
+            key_schema,
+            value_schema,
+            ids: None,
+        })
+    }
+
+    pub fn set_ids(&mut self, key_id: u32, value_id: u32) {
+        self.ids = Some((key_id, value_id));
+    }
+
+    /// Key and value of a BEGIN record.
+    pub fn begin(&self, id: &str, ts_ms: i64) -> Result<(Vec<u8>, Vec<u8>), EncodeError> {
+        self.record(id, "BEGIN", None, ts_ms)
+    }
+
+    /// Key and value of an END record with event counts per table.
+    pub fn end(
+        &self,
+        id: &str,
+        counts: &[(String, u64)],
+        ts_ms: i64,
+    ) -> Result<(Vec<u8>, Vec<u8>), EncodeError> {
+        self.record(id, "END", Some(counts), ts_ms)
+    }
+
+    fn record(
+        &self,
+        id: &str,
+        status: &str,
+        counts: Option<&[(String, u64)]>,
+        ts_ms: i64,
+    ) -> Result<(Vec<u8>, Vec<u8>), EncodeError> {
+        let (key_id, value_id) = self.ids.unzip();
+        let key = Value::Record(vec![("id".into(), Value::String(id.into()))]);
+        let (total, collections) = match counts {
+            None => (
+                Value::Union(0, Box::new(Value::Null)),
+                Value::Union(0, Box::new(Value::Null)),
+            ),
+            Some(c) => (
+                Value::Union(
+                    1,
+                    Box::new(Value::Long(c.iter().map(|(_, n)| *n as i64).sum())),
+                ),
+                Value::Union(
+                    1,
+                    Box::new(Value::Array(
+                        c.iter()
+                            .map(|(t, n)| {
+                                Value::Record(vec![
+                                    ("data_collection".into(), Value::String(t.clone())),
+                                    ("event_count".into(), Value::Long(*n as i64)),
+                                ])
+                            })
+                            .collect(),
+                    )),
+                ),
+            ),
+        };
+        let value = Value::Record(vec![
+            ("status".into(), Value::String(status.into())),
+            ("id".into(), Value::String(id.into())),
+            ("event_count".into(), total),
+            ("data_collections".into(), collections),
+            ("ts_ms".into(), Value::Long(ts_ms)),
+        ]);
+        Ok((
+            frame(key_id, &self.key_writer, &key)?,
+            frame(value_id, &self.value_writer, &value)?,
+        ))
+    }
+}
+
+/// A writer for a schema that lives as long as the process (a writer
+/// borrows its schema; codecs are few and bounded by schema changes).
+fn leak_writer(j: &Json) -> Result<GenericDatumWriter<'static>, EncodeError> {
+    let schema: &'static Schema = Box::leak(Box::new(
+        Schema::parse(j).map_err(|e| EncodeError::Avro(e.to_string()))?,
+    ));
+    GenericDatumWriter::builder(schema)
+        .build()
+        .map_err(|e| EncodeError::Avro(e.to_string()))
 }
 
 /// Splits a Confluent-framed payload into its schema id and Avro datum.
