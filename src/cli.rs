@@ -43,7 +43,7 @@ pub enum Command {
     /// Run the connector: create the publication and slot if missing, take
     /// the initial snapshot, then stream every change to Kafka as Avro
     /// changelog events. SIGINT/SIGTERM flush, confirm and exit 0.
-    Run(ConfigArg),
+    Run(RunArgs),
     /// Print changelog events as JSON lines, decoded through the registry.
     /// Read-only: joins no consumer group, commits nothing.
     Tail(TailArgs),
@@ -79,6 +79,15 @@ pub enum SlotAction {
         #[arg(long)]
         yes: bool,
     },
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long, env = "PGCDC_METRICS_ADDR")]
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -138,16 +147,7 @@ pub async fn execute(command: Command) -> u8 {
         Command::Validate(args) => validate(&args),
         Command::Check(args) => check(&args).await,
         Command::Slot { action } => slot_command(action).await,
-        Command::Run(args) => {
-            let config = load(&args).map_err(config_failure);
-            match config {
-                Ok(config) => crate::connector::run(config)
-                    .await
-                    .map(|()| exit::OK)
-                    .map_err(Failure::from),
-                Err(e) => Err(e),
-            }
-        }
+        Command::Run(args) => run(&args).await,
         Command::Registry(args) => registry(args).await,
         Command::Tail(args) => tail(&args).await,
     };
@@ -289,5 +289,14 @@ async fn tail(args: &TailArgs) -> Result<u8, Failure> {
     )
     .await
     .map_err(Failure)?;
+    Ok(exit::OK)
+}
+
+async fn run(args: &RunArgs) -> Result<u8, Failure> {
+    let config = load(&args.config).map_err(config_failure)?;
+    if let Some(addr) = args.metrics_addr {
+        crate::observe::install(addr).map_err(Failure)?;
+    }
+    crate::connector::run(config).await?;
     Ok(exit::OK)
 }

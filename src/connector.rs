@@ -36,6 +36,7 @@ use crate::encode::types::{Input, SESSION_SETTINGS};
 use crate::encode::{
     ColumnDesc, EncodeError, Op, Position, SourceInfo, TableCodec, TableDesc, TransactionCodec,
 };
+use crate::observe;
 use crate::registry::client::{ClientError, RegistryClient};
 use crate::sink::{self, Acks};
 use crate::snapshot_marker::{self, Marker, Phase};
@@ -204,6 +205,10 @@ impl Output {
             .encode_value(op, before, after, src)
             .map_err(encode_err)?;
         let topic = self.config.topic_for(&table);
+        metrics::counter!(observe::EVENTS, "table" => table.clone(), "op" => op.code())
+            .increment(1);
+        metrics::counter!(observe::EVENT_BYTES, "table" => table.clone())
+            .increment(value.len() as u64);
         let f = sink::send(&self.producer, &topic, key.as_deref(), Some(&value)).await?;
         self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         if op == Op::Delete && key.is_some() {
@@ -639,6 +644,7 @@ async fn stream(
                 if r.is_ok() {
                     let lsn = *confirmed.borrow();
                     repl.update_applied_lsn(WireLsn(lsn));
+                    metrics::gauge!(observe::CONFIRMED_LSN).set(lsn as f64);
                     tracing::debug!(confirmed = %Lsn(lsn), "confirmed");
                 }
             }
@@ -717,16 +723,9 @@ impl Stall {
         }
     }
 
+    /// Measures the lag, and warns once per stall when the confirmed LSN
+    /// has not moved for `after` while WAL grew.
     async fn check(&mut self, sql: &Client, slot_name: &str, confirmed: u64) {
-        if confirmed != self.last_confirmed {
-            self.last_confirmed = confirmed;
-            self.since = std::time::Instant::now();
-            self.warned = false;
-            return;
-        }
-        if self.warned || self.since.elapsed() < self.after {
-            return;
-        }
         let behind: Option<i64> = sql
             .query_opt(
                 "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::bigint",
@@ -736,6 +735,19 @@ impl Stall {
             .ok()
             .flatten()
             .map(|r| r.get(0));
+        if let Some(bytes) = behind {
+            metrics::gauge!(observe::REPLICATION_LAG_BYTES).set(bytes as f64);
+        }
+        if confirmed != self.last_confirmed {
+            self.last_confirmed = confirmed;
+            self.since = std::time::Instant::now();
+            self.warned = false;
+            metrics::gauge!(observe::SLOT_STALLED).set(0.0);
+            return;
+        }
+        if self.warned || self.since.elapsed() < self.after {
+            return;
+        }
         if let Some(bytes) = behind.filter(|b| *b > 0) {
             tracing::warn!(
                 slot = %slot_name,
@@ -744,6 +756,7 @@ impl Stall {
                 stalled_secs = self.since.elapsed().as_secs(),
                 "the slot's confirmed LSN has not moved while WAL grows; Postgres retains WAL for it"
             );
+            metrics::gauge!(observe::SLOT_STALLED).set(1.0);
             self.warned = true;
         }
     }

@@ -12,6 +12,7 @@ pub mod config;
 pub mod connector;
 pub mod encode;
 pub mod exit;
+pub mod observe;
 pub mod preflight;
 pub mod registry;
 pub mod secret;

@@ -191,6 +191,7 @@ impl Acks {
                     Pending::Delivery(f) => match f.await {
                         Ok(Ok(_)) => {}
                         Ok(Err((e, _))) => {
+                            metrics::counter!(crate::observe::KAFKA_DELIVERY_ERRORS).increment(1);
                             let _ = failed_tx.send(Some(format!("Kafka delivery failed: {e}")));
                             return;
                         }

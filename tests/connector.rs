@@ -440,7 +440,9 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
     let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.quiet"])
         .replace("tables = [", "heartbeat_interval_secs = 1\ntables = [");
     let config = ConfigFile::write(&toml);
-    let connector = ConnectorProcess::start(&config);
+    let metrics_port = support::free_port();
+    let metrics_addr = format!("127.0.0.1:{metrics_port}");
+    let connector = ConnectorProcess::start_with(&config, &["--metrics-addr", &metrics_addr]);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let streaming = client
@@ -491,6 +493,44 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+
+    // Prometheus metrics: events by table and op, the confirmed LSN, the lag.
+    client
+        .batch_execute("INSERT INTO public.quiet VALUES (1)")
+        .await
+        .expect("insert");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let body = loop {
+        let body = reqwest::get(format!("http://{metrics_addr}/metrics"))
+            .await
+            .expect("metrics endpoint")
+            .text()
+            .await
+            .unwrap_or_default();
+        let counted = body.lines().any(|l| {
+            l.starts_with("pgcdc_events_total")
+                && l.contains("table=\"public.quiet\"")
+                && l.contains("op=\"c\"")
+                && l.ends_with(" 1")
+        });
+        if counted {
+            break body;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no event counted:\n{body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let confirmed = body
+        .lines()
+        .find(|l| l.starts_with("pgcdc_confirmed_lsn "))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_default();
+    assert!(confirmed > 0.0, "{body}");
+    assert!(body.contains("pgcdc_replication_lag_bytes"), "{body}");
+    assert!(body.contains("pgcdc_event_bytes_total"), "{body}");
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }

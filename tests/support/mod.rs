@@ -253,7 +253,7 @@ fn as_postgres(program: &Path) -> Command {
     }
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -585,8 +585,13 @@ pub struct ConnectorProcess {
 
 impl ConnectorProcess {
     pub fn start(config: &ConfigFile) -> ConnectorProcess {
+        ConnectorProcess::start_with(config, &[])
+    }
+
+    pub fn start_with(config: &ConfigFile, extra: &[&str]) -> ConnectorProcess {
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
             .args(["run", "--config", config.arg()])
+            .args(extra)
             .kill_on_drop(true)
             .spawn()
             .expect("spawn pgcdc run");

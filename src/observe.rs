@@ -1,0 +1,45 @@
+//! Prometheus metrics: names, labels, and the exporter.
+//!
+//! Guarantee: metric names are the constants below, labels are low
+//! cardinality (table, operation), and no row value is ever a label.
+
+use std::net::SocketAddr;
+
+/// Change events produced, by `table` and `op` (c, u, d, r, t).
+pub const EVENTS: &str = "pgcdc_events_total";
+/// Bytes of Avro payload produced, by `table`.
+pub const EVENT_BYTES: &str = "pgcdc_event_bytes_total";
+/// Snapshot rows copied, by `table`.
+pub const SNAPSHOT_ROWS: &str = "pgcdc_snapshot_rows_total";
+/// The LSN confirmed to Postgres (as a number).
+pub const CONFIRMED_LSN: &str = "pgcdc_confirmed_lsn";
+/// Current WAL position minus the confirmed LSN, in bytes.
+pub const REPLICATION_LAG_BYTES: &str = "pgcdc_replication_lag_bytes";
+/// Messages Kafka refused after librdkafka's own retries.
+pub const KAFKA_DELIVERY_ERRORS: &str = "pgcdc_kafka_delivery_errors_total";
+/// 1 while the confirmed LSN stands still as WAL grows.
+pub const SLOT_STALLED: &str = "pgcdc_slot_stalled";
+
+/// Serves `/metrics` on `addr`.
+pub fn install(addr: SocketAddr) -> Result<(), String> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
+    describe();
+    tracing::info!(%addr, "metrics at http://{addr}/metrics");
+    Ok(())
+}
+
+fn describe() {
+    metrics::describe_counter!(EVENTS, "Change events produced, by table and op");
+    metrics::describe_counter!(EVENT_BYTES, "Bytes of Avro payload produced, by table");
+    metrics::describe_counter!(SNAPSHOT_ROWS, "Snapshot rows copied, by table");
+    metrics::describe_gauge!(CONFIRMED_LSN, "LSN confirmed to Postgres");
+    metrics::describe_gauge!(REPLICATION_LAG_BYTES, "WAL bytes not yet confirmed");
+    metrics::describe_counter!(KAFKA_DELIVERY_ERRORS, "Messages Kafka refused");
+    metrics::describe_gauge!(
+        SLOT_STALLED,
+        "1 while the slot's confirmed LSN stands still as WAL grows"
+    );
+}
