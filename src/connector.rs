@@ -681,6 +681,7 @@ async fn stream(
                     ReplicationEvent::KeepAlive { wal_end, .. } => {
                         // Between transactions everything up to wal_end was seen.
                         if txn.is_none() && wal_end.as_u64() > last_release {
+                            tracing::debug!(wal_end = %Lsn(wal_end.as_u64()), "release at keepalive");
                             last_release = wal_end.as_u64();
                             output.acks.release(last_release).await.map_err(RunError::Delivery)?;
                         }
@@ -693,6 +694,7 @@ async fn stream(
                     ReplicationEvent::Message { transactional: false, lsn, .. } => {
                         // Outside a transaction everything before it was seen.
                         if txn.is_none() && lsn.as_u64() > last_release {
+                            tracing::debug!(lsn = %Lsn(lsn.as_u64()), "release at message");
                             last_release = lsn.as_u64();
                             output.acks.release(last_release).await.map_err(RunError::Delivery)?;
                         }

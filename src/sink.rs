@@ -40,6 +40,9 @@ pub fn client_config(kafka: &KafkaConfig) -> ClientConfig {
     cc
 }
 
+/// Producer queue bound when the user sets none: 64 MiB.
+pub const DEFAULT_QUEUE_KBYTES: &str = "65536";
+
 /// The changelog producer.
 pub fn producer(kafka: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
     let mut cc = client_config(kafka);
@@ -49,6 +52,15 @@ pub fn producer(kafka: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
         .set("partitioner", "murmur2_random");
     if !kafka.properties.0.contains_key("linger.ms") {
         cc.set("linger.ms", "5");
+    }
+    // librdkafka would buffer up to 1 GiB by default; beyond this bound
+    // sends wait, which slows reading from the slot instead.
+    if !kafka
+        .properties
+        .0
+        .contains_key("queue.buffering.max.kbytes")
+    {
+        cc.set("queue.buffering.max.kbytes", DEFAULT_QUEUE_KBYTES);
     }
     cc.create()
 }

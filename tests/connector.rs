@@ -710,3 +710,114 @@ async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }
+
+/// Peak resident memory of a process, in KiB.
+fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// The bound this test holds the connector to while a 1M-row transaction
+/// streams through: in-flight messages (100,000 at most) plus librdkafka's
+/// 64 MiB queue plus the process's fixed cost, with room to spare. A
+/// connector that buffered the transaction would need several times this.
+const MEMORY_BOUND_KIB: u64 = 400 * 1024;
+
+#[tokio::test]
+async fn a_one_million_row_transaction_streams_with_bounded_memory() {
+    const ROWS: i64 = 1_000_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_bigtx").await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE public.wide (id bigint PRIMARY KEY, payload text NOT NULL)")
+        .await
+        .expect("table");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.wide"],
+    ));
+    let connector = ConnectorProcess::start(&config);
+    let pid = connector.child.id().expect("pid");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while client
+        .query_opt(
+            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+            &[&db.name],
+        )
+        .await
+        .expect("slot")
+        .is_none()
+    {
+        assert!(std::time::Instant::now() < deadline, "never streaming");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let baseline = peak_rss_kib(pid);
+
+    // One transaction, about 200 MB of row data. The target is the insert
+    // position: with synchronous_commit=off the write position may not yet
+    // include the commit record.
+    client
+        .batch_execute(&format!(
+            "INSERT INTO public.wide SELECT g, repeat(md5(g::text), 6) FROM generate_series(1, {ROWS}) g"
+        ))
+        .await
+        .expect("insert");
+    let target: String = client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .expect("lsn")
+        .get(0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(900);
+    let mut peak = baseline;
+    loop {
+        peak = peak.max(peak_rss_kib(pid));
+        let done: bool = client
+            .query_one(
+                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+                &[&db.name, &target],
+            )
+            .await
+            .expect("slot")
+            .get(0);
+        if done {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the transaction was not confirmed in time"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    peak = peak.max(peak_rss_kib(pid));
+    assert_eq!(connector.terminate().await, 0);
+    assert!(
+        peak < MEMORY_BOUND_KIB,
+        "peak RSS {peak} KiB over the bound {MEMORY_BOUND_KIB} KiB (before the transaction: {baseline} KiB)"
+    );
+    // Confirmed means Kafka holds all of it.
+    let end: i64 = pgcdc::snapshot_marker::end_offsets(
+        &pgcdc::config::Config::from_toml(
+            &support::pipeline_toml(&stack, &db.url, &db.name, &["public.wide"]),
+            "test",
+            &[],
+        )
+        .expect("config")
+        .kafka,
+        &[format!("{}.public.wide", db.name)],
+    )
+    .await
+    .expect("offsets")
+    .values()
+    .flat_map(|p| p.values())
+    .sum();
+    assert!(end >= ROWS, "{end} records for {ROWS} rows");
+    eprintln!("1M-row transaction: peak RSS {peak} KiB (baseline {baseline} KiB)");
+    db.drop_db().await;
+}
