@@ -7,4 +7,5 @@ mod check;
 mod connector;
 mod registry;
 mod slot;
+mod types;
 mod validate;

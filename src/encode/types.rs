@@ -91,6 +91,7 @@ impl Kind {
             Kind::Decimal { .. }
                 | Kind::VariableDecimal
                 | Kind::Date
+                | Kind::Time
                 | Kind::Timestamp
                 | Kind::TimestampTz
         )
@@ -267,12 +268,25 @@ pub fn convert(kind: &Kind, layout: &Layout, input: Input<'_>) -> Result<Value, 
     }
 }
 
+/// Values the logical type cannot carry for every reader: numeric
+/// specials, infinities, and dates outside years 1 to 9999, which Avro's
+/// `date` and timestamps can encode but common readers (Python's datetime
+/// among them) cannot represent.
 fn is_special(kind: &Kind, text: &str) -> bool {
     match kind {
         Kind::Decimal { .. } | Kind::VariableDecimal => {
             matches!(text, "NaN" | "Infinity" | "-Infinity")
         }
-        _ => matches!(text, "infinity" | "-infinity"),
+        // Postgres allows 24:00:00, which time-of-day readers reject.
+        Kind::Time => text.starts_with("24:"),
+        _ => {
+            matches!(text, "infinity" | "-infinity")
+                || text.ends_with(" BC")
+                || text
+                    .split('-')
+                    .next()
+                    .is_some_and(|year| year.len() > 4 && year.bytes().all(|b| b.is_ascii_digit()))
+        }
     }
 }
 
@@ -564,9 +578,21 @@ mod tests {
     fn dates_and_timestamps_convert_including_bc_and_infinity() {
         assert_eq!(inner(conv(&Kind::Date, "1970-01-02")), Value::Date(1));
         assert_eq!(inner(conv(&Kind::Date, "2000-03-01")), Value::Date(11_017));
+        assert_eq!(parse_date("0001-12-31 BC"), Some(-719_163));
         assert_eq!(
-            inner(conv(&Kind::Date, "0001-12-31 BC")),
-            Value::Date(-719_163)
+            conv(&Kind::Date, "0044-03-15 BC"),
+            Ok(Value::Union(
+                2,
+                Box::new(Value::String("0044-03-15 BC".into()))
+            )),
+            "outside years 1-9999: exact text, readable by every Avro reader"
+        );
+        assert_eq!(
+            conv(&Kind::Timestamp, "10000-01-01 00:00:00"),
+            Ok(Value::Union(
+                2,
+                Box::new(Value::String("10000-01-01 00:00:00".into()))
+            ))
         );
         assert_eq!(
             conv(&Kind::Date, "infinity"),
@@ -584,9 +610,14 @@ mod tests {
             inner(conv(&Kind::Timestamp, "1969-12-31 23:59:59.999999")),
             Value::LocalTimestampMicros(-1)
         );
+        assert_eq!(parse_time("24:00:00"), Some(86_400_000_000));
         assert_eq!(
-            inner(conv(&Kind::Time, "24:00:00")),
-            Value::TimeMicros(86_400_000_000)
+            conv(&Kind::Time, "24:00:00"),
+            Ok(Value::Union(2, Box::new(Value::String("24:00:00".into()))))
+        );
+        assert_eq!(
+            inner(conv(&Kind::Time, "23:59:59.5")),
+            Value::TimeMicros(86_399_500_000)
         );
         assert!(conv(&Kind::Date, "31/01/2024").is_err());
     }

@@ -1,0 +1,259 @@
+//! Every type family, snapshot and stream, compared value by value with
+//! what Postgres itself says, and decoded by Python's AvroDeserializer.
+
+use std::time::Duration;
+
+use apache_avro::types::Value;
+
+use crate::support::{self, ConfigFile, ConnectorProcess, Decoder, TestDb};
+
+const SCHEMA: &str = "
+CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy');
+CREATE DOMAIN public.positive_int AS int CHECK (VALUE > 0);
+CREATE TABLE public.everything (
+    id bigint PRIMARY KEY,
+    i2 smallint, i4 int, i8 bigint, f4 real, f8 double precision,
+    n numeric, n_scaled numeric(10,3), m money,
+    t text, vc varchar(20), c char(5), b bytea, bo boolean, u uuid,
+    d date, tm time, ttz timetz, ts timestamp, tstz timestamptz, iv interval,
+    j json, jb jsonb, x xml, ip inet, net cidr, mac macaddr, bits bit(4), vbits varbit,
+    arr int[], arr2 text[], e public.mood, dom public.positive_int, r int4range, tsr tstzrange,
+    pt point, ln line, bx box, pg polygon, ci circle
+);";
+
+const ROW_TYPICAL: &str = "INSERT INTO public.everything VALUES (1,
+    -32768, 2147483647, -9223372036854775808, 3.14159, 2.718281828459045,
+    123456789012345678901234567890.123456789, 1234567.891, 12.34,
+    'text with\ttab and \"quotes\" and ünïcödé', 'varchar', 'ab', '\\x00ff10', true,
+    'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11',
+    '2024-02-29', '23:59:59.999999', '12:00:00+05:30', '2024-01-31 12:34:56.789012',
+    '2024-01-31 12:34:56.789012+00', '1 year 2 mons 3 days 04:05:06.789',
+    '{\"a\": [1, 2.5, null]}', '{\"b\": {\"c\": true}}', '<a>x</a>', '192.168.0.1/24',
+    '10.0.0.0/8', '08:00:2b:01:02:03', B'1010', B'10101',
+    '{1,NULL,3}', '{{a,b},{NULL,\"d e\"}}', 'happy', 42, '[1,10)',
+    '[2024-01-01 00:00+00,2024-02-01 00:00+00)',
+    '(1.5,2)', '{1,-1,0}', '(1,1),(0,0)', '((0,0),(1,0),(1,1))', '<(0,0),2>')";
+
+const ROW_EDGES: &str =
+    "INSERT INTO public.everything (id, f4, f8, n, n_scaled, d, ts, tstz, t, arr, tm)
+    VALUES (2, 'NaN', '-Infinity', 'NaN', 'NaN', '0044-03-15 BC', 'infinity', '-infinity',
+            '', '{}', '24:00:00')";
+
+const ROW_NULLS: &str = "INSERT INTO public.everything (id) VALUES (3)";
+
+/// Columns compared as Postgres's exact text.
+const TEXT_COLUMNS: &[&str] = &[
+    "m", "t", "vc", "c", "ttz", "iv", "j", "jb", "x", "ip", "net", "mac", "bits", "vbits", "arr",
+    "arr2", "e", "dom", "r", "tsr", "pt", "ln", "bx", "pg", "ci",
+];
+
+fn field<'a>(v: &'a Value, name: &str) -> &'a Value {
+    let v = match v {
+        Value::Union(_, inner) => inner.as_ref(),
+        other => other,
+    };
+    let Value::Record(fields) = v else {
+        panic!("not a record: {v:?}")
+    };
+    let found = fields
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no field {name}"));
+    match found {
+        Value::Union(_, inner) => inner.as_ref(),
+        other => other,
+    }
+}
+
+#[tokio::test]
+async fn every_type_family_round_trips_without_loss() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "types").await;
+    let client = db.client().await;
+    let settings: String = pgcdc::encode::types::SESSION_SETTINGS
+        .iter()
+        .map(|(k, v)| format!("SET {k} = '{v}';"))
+        .collect();
+    client.batch_execute(&settings).await.expect("settings");
+    client.batch_execute(SCHEMA).await.expect("schema");
+    client.batch_execute(ROW_TYPICAL).await.expect("row 1");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.everything"],
+    ));
+    let topic = format!("{}.public.everything", db.name);
+    let connector = ConnectorProcess::start(&config);
+    support::read_topic(&stack, &topic, 1, Duration::from_secs(60)).await;
+    client.batch_execute(ROW_EDGES).await.expect("row 2");
+    client.batch_execute(ROW_NULLS).await.expect("row 3");
+    let records = support::read_topic(&stack, &topic, 3, Duration::from_secs(60)).await;
+    assert_eq!(connector.terminate().await, 0);
+
+    let mut decoder = Decoder::new(&stack);
+    for record in &records {
+        let envelope = decoder
+            .decode(record.value.as_deref().expect("value"))
+            .await;
+        let after = field(&envelope, "after");
+        let Value::Long(id) = field(after, "id") else {
+            panic!("id")
+        };
+        let id = *id;
+        // What Postgres's own output functions say, in the session
+        // settings the connector decodes under.
+        let text_row = client
+            .simple_query(&format!(
+                "SELECT {} FROM public.everything WHERE id = {id}",
+                TEXT_COLUMNS.join(", ")
+            ))
+            .await
+            .expect("text row")
+            .into_iter()
+            .find_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => Some(r),
+                _ => None,
+            })
+            .expect("one row");
+        for (i, col) in TEXT_COLUMNS.iter().enumerate() {
+            let got = field(after, col);
+            match text_row.get(i) {
+                None => assert_eq!(got, &Value::Null, "row {id} column {col}"),
+                Some(text) => assert_eq!(
+                    got,
+                    &Value::String(text.to_string()),
+                    "row {id} column {col}"
+                ),
+            }
+        }
+        let row = client
+            .query_one(
+                "SELECT i2::int, i4, i8, f4::text, f8::text, n::text, n_scaled::text, b, bo, u::text,
+                        CASE WHEN isfinite(d) THEN d - '1970-01-01'::date END,
+                        (extract(epoch FROM tm) * 1000000)::bigint,
+                        CASE WHEN isfinite(ts) THEN (extract(epoch FROM ts) * 1000000)::bigint END,
+                        CASE WHEN isfinite(tstz) THEN (extract(epoch FROM tstz) * 1000000)::bigint END,
+                        d::text, ts::text, tstz::text
+                 FROM public.everything WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .expect("row");
+        let opt_int = |i: usize| row.get::<_, Option<i32>>(i);
+        match (field(after, "i2"), opt_int(0)) {
+            (Value::Int(v), Some(e)) => assert_eq!(*v, e),
+            (Value::Null, None) => {}
+            other => panic!("i2 {other:?}"),
+        }
+        match (field(after, "i8"), row.get::<_, Option<i64>>(2)) {
+            (Value::Long(v), Some(e)) => assert_eq!(*v, e),
+            (Value::Null, None) => {}
+            other => panic!("i8 {other:?}"),
+        }
+        match (field(after, "f8"), row.get::<_, Option<String>>(4)) {
+            (Value::Double(v), Some(e)) => assert_eq!(
+                v.to_string().to_lowercase().replace("inf", "infinity"),
+                e.to_lowercase().replace("infinityinity", "infinity"),
+                "f8"
+            ),
+            (Value::Null, None) => {}
+            other => panic!("f8 {other:?}"),
+        }
+        match (field(after, "f4"), row.get::<_, Option<String>>(3)) {
+            (Value::Float(v), Some(e)) if e == "NaN" => assert!(v.is_nan()),
+            (Value::Float(v), Some(e)) => assert_eq!(*v, e.parse::<f32>().expect("f4")),
+            (Value::Null, None) => {}
+            other => panic!("f4 {other:?}"),
+        }
+        // numeric without typmod: {scale, value}; specials as their text.
+        match (field(after, "n"), row.get::<_, Option<String>>(5)) {
+            (Value::Record(parts), Some(e)) => {
+                let (Value::Int(scale), Value::Bytes(bytes)) = (&parts[0].1, &parts[1].1) else {
+                    panic!("VariableScaleDecimal {parts:?}")
+                };
+                assert_eq!(pgcdc::tail::format_decimal(bytes, *scale as usize), e, "n");
+            }
+            (Value::String(s), Some(e)) => assert_eq!(s, &e, "n special"),
+            (Value::Null, None) => {}
+            other => panic!("n {other:?}"),
+        }
+        match (field(after, "n_scaled"), row.get::<_, Option<String>>(6)) {
+            (Value::Decimal(d), Some(e)) => {
+                let bytes: Vec<u8> = d.try_into().expect("decimal bytes");
+                assert_eq!(pgcdc::tail::format_decimal(&bytes, 3), e, "n_scaled");
+            }
+            (Value::String(s), Some(e)) => assert_eq!(s, &e, "n_scaled special"),
+            (Value::Null, None) => {}
+            other => panic!("n_scaled {other:?}"),
+        }
+        match (field(after, "b"), row.get::<_, Option<Vec<u8>>>(7)) {
+            (Value::Bytes(v), Some(e)) => assert_eq!(v, &e),
+            (Value::Null, None) => {}
+            other => panic!("b {other:?}"),
+        }
+        match (field(after, "u"), row.get::<_, Option<String>>(9)) {
+            (Value::Uuid(v), Some(e)) => assert_eq!(v.to_string(), e),
+            (Value::Null, None) => {}
+            other => panic!("u {other:?}"),
+        }
+        match (
+            field(after, "d"),
+            row.get::<_, Option<i32>>(10),
+            row.get::<_, Option<String>>(14),
+        ) {
+            (Value::Date(v), Some(e), _) => assert_eq!(*v, e, "d"),
+            (Value::String(s), _, Some(text)) => assert_eq!(s, &text, "d special"),
+            (Value::Null, None, None) => {}
+            other => panic!("d {other:?}"),
+        }
+        match (field(after, "tm"), row.get::<_, Option<i64>>(11)) {
+            (Value::TimeMicros(v), Some(e)) => assert_eq!(*v, e, "tm"),
+            (Value::String(s), Some(e)) => {
+                assert_eq!((s.as_str(), e), ("24:00:00", 86_400_000_000), "tm special")
+            }
+            (Value::Null, None) => {}
+            other => panic!("tm {other:?}"),
+        }
+        match (field(after, "ts"), row.get::<_, Option<String>>(15)) {
+            (Value::LocalTimestampMicros(v), Some(_)) => {
+                assert_eq!(Some(*v), row.get::<_, Option<i64>>(12), "ts");
+            }
+            (Value::String(s), Some(text)) => assert_eq!(s, &text, "ts special"),
+            (Value::Null, None) => {}
+            other => panic!("ts {other:?}"),
+        }
+        match (field(after, "tstz"), row.get::<_, Option<String>>(16)) {
+            (Value::TimestampMicros(v), Some(_)) => {
+                assert_eq!(Some(*v), row.get::<_, Option<i64>>(13), "tstz");
+            }
+            (Value::String(s), Some(text)) => assert_eq!(s, &text, "tstz special"),
+            (Value::Null, None) => {}
+            other => panic!("tstz {other:?}"),
+        }
+    }
+
+    // A standard Avro reader in another language decodes every record.
+    let python = std::env::var("PGCDC_PYTHON").expect("PGCDC_PYTHON (set by scripts/test)");
+    let out = tokio::process::Command::new(python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/interop/decode_all.py"
+        ))
+        .args([&topic, "3"])
+        .env("PGCDC_REGISTRY_URL", &stack.registry_url)
+        .env("PGCDC_KAFKA_BROKERS", &stack.brokers)
+        .output()
+        .await
+        .expect("python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("decoded 3 records"), "{stdout}");
+    assert!(stdout.contains("1 n_scaled=1234567.891"), "{stdout}");
+    db.drop_db().await;
+}
