@@ -329,6 +329,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             start_offsets: Default::default(),
             end_offsets: Default::default(),
             rows: Default::default(),
+            chunks: Default::default(),
             ts_ms: now_ms(),
         };
         if snapshot {
@@ -359,8 +360,10 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         tracing::info!(slot = %config.source.slot, %consistent_point, "slot created");
         if snapshot {
             let name = field(2).ok_or_else(|| RunError::Config("no exported snapshot".into()))?;
-            let (snapshot_codecs, rows) = run_snapshot(&output, &name, consistent_point).await?;
+            let (snapshot_codecs, rows, chunks) =
+                run_snapshot(&output, &name, consistent_point).await?;
             codecs = snapshot_codecs;
+            marker.chunks = chunks;
             marker.phase = Phase::Completed;
             marker.consistent_point = Some(consistent_point.to_string());
             marker.rows = rows;
@@ -454,36 +457,179 @@ async fn advance_slot(sql: &Client, slot_name: &str, lsn: u64) {
     tracing::warn!(slot = %slot_name, lsn = %target, "could not record the final position; the next start replays from the last reported one");
 }
 
-/// Copies every table on the exported snapshot, `workers` at a time.
+/// A table's snapshot plan: its codec and the row ranges to copy.
+struct TablePlan {
+    table: String,
+    oid: u32,
+    codec: Arc<TableCodec>,
+    /// Column list of the COPY.
+    columns: String,
+    /// One `WHERE` condition per chunk (`None`: the whole table at once).
+    chunks: Vec<Option<String>>,
+}
+
+/// Opens a session on the exported snapshot.
+async fn snapshot_session(output: &Output, snapshot_name: &str) -> Result<Client, RunError> {
+    let client = sql_session(&output.config).await?;
+    client
+        .batch_execute(&format!(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{}'",
+            snapshot_name.replace('\'', "''")
+        ))
+        .await?;
+    Ok(client)
+}
+
+/// Describes a table, registers its schemas, and splits it into chunks of
+/// about `chunk_rows` by its integer key when it is larger than that.
+async fn plan_table(
+    output: &Output,
+    snapshot_name: &str,
+    table: &str,
+) -> Result<TablePlan, RunError> {
+    let client = snapshot_session(output, snapshot_name).await?;
+    let (schema, name) =
+        split_table(table).ok_or_else(|| RunError::Config(format!("bad table {table}")))?;
+    let (oid, desc) = catalog::describe(&client, schema, name)
+        .await?
+        .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
+    let columns = desc
+        .columns
+        .iter()
+        .map(|c| slot::quote_ident(&c.name))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let int_key: Vec<&ColumnDesc> = desc.columns.iter().filter(|c| c.key).collect();
+    let chunk_rows = output.config.source.snapshot.chunk_rows as f64;
+    let mut chunks = vec![None];
+    if let [key] = int_key.as_slice() {
+        if matches!(key.type_oid, 20 | 21 | 23) {
+            let estimate: f64 = client
+                .query_one(
+                    "SELECT greatest(reltuples, 0)::float8 FROM pg_class WHERE oid = $1",
+                    &[&oid],
+                )
+                .await?
+                .get(0);
+            if estimate > chunk_rows {
+                let k = slot::quote_ident(&key.name);
+                let bounds = client
+                    .query_one(
+                        &format!(
+                            "SELECT min({k})::int8, max({k})::int8 FROM {}.{}",
+                            slot::quote_ident(schema),
+                            slot::quote_ident(name)
+                        ),
+                        &[],
+                    )
+                    .await?;
+                if let (Some(lo), Some(hi)) = (
+                    bounds.get::<_, Option<i64>>(0),
+                    bounds.get::<_, Option<i64>>(1),
+                ) {
+                    let n = (estimate / chunk_rows).ceil().max(1.0) as i64;
+                    let width = ((hi as i128 - lo as i128) / n as i128 + 1) as i64;
+                    chunks = (0..n)
+                        .map(|i| {
+                            let start = lo.saturating_add(width.saturating_mul(i));
+                            Some(if i + 1 == n {
+                                format!("{k} >= {start}")
+                            } else {
+                                format!("{k} >= {start} AND {k} < {}", start.saturating_add(width))
+                            })
+                        })
+                        .collect();
+                    if let Some(first) = chunks.first_mut() {
+                        // Keys below the first bound cannot exist, but a
+                        // chunk boundary must never drop a row.
+                        *first = Some(format!("{k} < {}", lo.saturating_add(width)));
+                    }
+                }
+            }
+        }
+    }
+    client.batch_execute("COMMIT").await?;
+    let codec = Arc::new(output.codec(desc).await?);
+    Ok(TablePlan {
+        table: table.to_string(),
+        oid,
+        codec,
+        columns,
+        chunks,
+    })
+}
+
+/// Copies every table on the exported snapshot, `workers` chunks at a time.
 async fn run_snapshot(
     output: &Output,
     snapshot_name: &str,
     consistent_point: Lsn,
-) -> Result<(HashMap<u32, TableCodec>, BTreeMap<String, u64>), RunError> {
+) -> Result<
+    (
+        HashMap<u32, TableCodec>,
+        BTreeMap<String, u64>,
+        BTreeMap<String, usize>,
+    ),
+    RunError,
+> {
     let config = &output.config;
+    let mut plans = Vec::new();
+    for table in &config.source.tables {
+        plans.push(plan_table(output, snapshot_name, table).await?);
+    }
+    let progress = Progress::new(&plans);
     let limit = Arc::new(tokio::sync::Semaphore::new(config.source.snapshot.workers));
     let mut tasks = tokio::task::JoinSet::new();
-    for table in config.source.tables.clone() {
-        let (output, limit, name) = (output.clone(), limit.clone(), snapshot_name.to_string());
-        tasks.spawn(async move {
-            let _permit = limit.acquire_owned().await;
-            snapshot_table(&output, &name, &table, consistent_point)
+    for plan in &plans {
+        for chunk in &plan.chunks {
+            let (output, limit, name) = (output.clone(), limit.clone(), snapshot_name.to_string());
+            let (codec, table, columns, chunk) = (
+                plan.codec.clone(),
+                plan.table.clone(),
+                plan.columns.clone(),
+                chunk.clone(),
+            );
+            let progress = progress.clone();
+            tasks.spawn(async move {
+                let _permit = limit.acquire_owned().await;
+                let rows = copy_chunk(
+                    &output,
+                    &name,
+                    &codec,
+                    &columns,
+                    chunk.as_deref(),
+                    consistent_point,
+                    &progress,
+                )
                 .await
                 .map_err(|e| RunError::Snapshot {
                     table: table.clone(),
                     message: e.to_string(),
-                })
-        });
+                })?;
+                Ok::<_, RunError>((table, rows))
+            });
+        }
     }
-    let mut codecs = HashMap::new();
-    let mut rows = BTreeMap::new();
+    let mut rows: BTreeMap<String, u64> = plans.iter().map(|p| (p.table.clone(), 0)).collect();
     while let Some(done) = tasks.join_next().await {
-        let (oid, codec, count) = done.map_err(|e| RunError::Snapshot {
+        let (table, count) = done.map_err(|e| RunError::Snapshot {
             table: "?".into(),
             message: e.to_string(),
         })??;
-        rows.insert(codec.desc.qualified(), count);
-        codecs.insert(oid, codec);
+        *rows.entry(table).or_default() += count;
+    }
+    progress.finish(&rows);
+    let chunks = plans
+        .iter()
+        .map(|p| (p.table.clone(), p.chunks.len()))
+        .collect();
+    let mut codecs = HashMap::new();
+    for plan in plans {
+        let codec = Arc::try_unwrap(plan.codec).map_err(|_| RunError::Snapshot {
+            table: plan.table.clone(),
+            message: "a copy task still holds the codec".into(),
+        })?;
+        codecs.insert(plan.oid, codec);
     }
     // Streaming starts only after Kafka holds the whole snapshot.
     output
@@ -504,45 +650,94 @@ async fn run_snapshot(
         }
     }
     tracing::info!(%consistent_point, tables = codecs.len(), "snapshot complete");
-    Ok((codecs, rows))
+    Ok((codecs, rows, chunks))
 }
 
-async fn snapshot_table(
+/// Snapshot progress: a bar per table on a terminal, log lines otherwise.
+#[derive(Clone)]
+struct Progress {
+    bars: Option<Arc<HashMap<String, indicatif::ProgressBar>>>,
+    started: std::time::Instant,
+}
+
+impl Progress {
+    fn new(plans: &[TablePlan]) -> Progress {
+        use std::io::IsTerminal;
+        let bars = std::io::stderr().is_terminal().then(|| {
+            let multi = indicatif::MultiProgress::new();
+            let style = indicatif::ProgressStyle::with_template(
+                "{prefix:>30} {human_pos:>12} rows {per_sec:>14} {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner());
+            Arc::new(
+                plans
+                    .iter()
+                    .map(|p| {
+                        let bar = multi.add(indicatif::ProgressBar::new_spinner());
+                        bar.set_style(style.clone());
+                        bar.set_prefix(p.table.clone());
+                        (p.table.clone(), bar)
+                    })
+                    .collect(),
+            )
+        });
+        Progress {
+            bars,
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// Adds copied rows to a table's bar (on a terminal).
+    fn add(&self, table: &str, rows: u64) {
+        if let Some(bar) = self.bars.as_ref().and_then(|b| b.get(table)) {
+            bar.inc(rows);
+        }
+    }
+
+    /// Logs a chunk's progress when there is no terminal to draw on.
+    fn log(&self, table: &str, chunk_rows: u64, chunk_started: std::time::Instant) {
+        if self.bars.is_none() {
+            let rate = chunk_rows as f64 / chunk_started.elapsed().as_secs_f64().max(1e-9);
+            tracing::info!(%table, chunk_rows, rows_per_sec = rate, "snapshot progress");
+        }
+    }
+
+    fn finish(&self, rows: &BTreeMap<String, u64>) {
+        let secs = self.started.elapsed().as_secs_f64();
+        if let Some(bars) = &self.bars {
+            for bar in bars.values() {
+                bar.finish();
+            }
+        }
+        for (table, n) in rows {
+            tracing::info!(%table, rows = n, rows_per_sec = *n as f64 / secs.max(1e-9), "table snapshot done");
+        }
+    }
+}
+
+/// Copies one chunk of a table on the exported snapshot as `op = r` events.
+async fn copy_chunk(
     output: &Output,
     snapshot_name: &str,
-    table: &str,
+    codec: &TableCodec,
+    columns: &str,
+    condition: Option<&str>,
     consistent_point: Lsn,
-) -> Result<(u32, TableCodec, u64), RunError> {
-    let client = sql_session(&output.config).await?;
-    client
-        .batch_execute(&format!(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; SET TRANSACTION SNAPSHOT '{}'",
-            snapshot_name.replace('\'', "''")
-        ))
-        .await?;
-    let (schema, name) =
-        split_table(table).ok_or_else(|| RunError::Config(format!("bad table {table}")))?;
-    let (oid, desc) = catalog::describe(&client, schema, name)
-        .await?
-        .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
-    let columns: Vec<String> = desc
-        .columns
-        .iter()
-        .map(|c| slot::quote_ident(&c.name))
-        .collect();
-    let codec = output.codec(desc).await?;
+    progress: &Progress,
+) -> Result<u64, RunError> {
+    let client = snapshot_session(output, snapshot_name).await?;
+    let table = codec.desc.qualified();
     let copy = format!(
-        "COPY (SELECT {} FROM {}.{}) TO STDOUT",
-        columns.join(", "),
-        slot::quote_ident(schema),
-        slot::quote_ident(name)
+        "COPY (SELECT {columns} FROM {}.{}{}) TO STDOUT",
+        slot::quote_ident(&codec.desc.schema),
+        slot::quote_ident(&codec.desc.table),
+        condition.map(|c| format!(" WHERE {c}")).unwrap_or_default()
     );
     let stream = client.copy_out(&copy).await?;
     futures_util::pin_mut!(stream);
     let started = std::time::Instant::now();
     let mut buf: Vec<u8> = Vec::new();
     let mut rows: u64 = 0;
-    let ts_ms = now_ms();
     let src = SourceInfo {
         connector_name: &output.config.name,
         db: &output.db,
@@ -552,13 +747,14 @@ async fn snapshot_table(
         },
         lsn: consistent_point.0,
         tx_id: None,
-        ts_ms,
+        ts_ms: now_ms(),
         snapshot: "true",
         table_order: 0,
     };
     while let Some(chunk) = stream.next().await {
         buf.extend_from_slice(&chunk?);
         let mut start = 0;
+        let before = rows;
         while let Some(nl) = buf[start..].iter().position(|&b| b == b'\n') {
             let fields = catalog::copy_fields(&buf[start..start + nl]);
             let row: Vec<Input<'_>> = fields
@@ -568,20 +764,20 @@ async fn snapshot_table(
                     Some(v) => Input::Text(v),
                 })
                 .collect();
-            output
-                .emit(&codec, Op::Read, None, Some(&row), &src)
-                .await?;
+            output.emit(codec, Op::Read, None, Some(&row), &src).await?;
             rows += 1;
             start += nl + 1;
             if rows.is_multiple_of(100_000) {
-                tracing::info!(%table, rows, rows_per_sec = rows as f64 / started.elapsed().as_secs_f64(), "snapshot progress");
+                progress.log(&table, rows, started);
             }
         }
         buf.drain(..start);
+        metrics::counter!(observe::SNAPSHOT_ROWS, "table" => table.clone())
+            .increment(rows - before);
+        progress.add(&table, rows - before);
     }
     client.batch_execute("COMMIT").await?;
-    tracing::info!(%table, rows, secs = started.elapsed().as_secs_f64(), "table snapshot done");
-    Ok((oid, codec, rows))
+    Ok(rows)
 }
 
 /// Per-transaction state of the stream.

@@ -43,6 +43,9 @@ pub struct Marker {
     pub end_offsets: BTreeMap<String, BTreeMap<i32, i64>>,
     /// table → rows copied.
     pub rows: BTreeMap<String, u64>,
+    /// table → number of chunks it was copied in.
+    #[serde(default)]
+    pub chunks: BTreeMap<String, usize>,
     pub ts_ms: i64,
 }
 

@@ -651,11 +651,16 @@ async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
     client
         .batch_execute(&format!(
             "CREATE TABLE public.big (id bigint PRIMARY KEY, v text);
-             INSERT INTO public.big SELECT g, md5(g::text) FROM generate_series(1, {ROWS}) g;"
+             INSERT INTO public.big SELECT g, md5(g::text) FROM generate_series(1, {ROWS}) g;
+             ANALYZE public.big;"
         ))
         .await
         .expect("table");
-    let config_toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.big"]);
+    // Chunks of about 30,000 rows, copied two at a time.
+    let config_toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.big"]).replace(
+        "[kafka]",
+        "[source.snapshot]\nchunk_rows = 30000\nworkers = 2\n[kafka]",
+    );
     let config = ConfigFile::write(&config_toml);
     let parsed = pgcdc::config::Config::from_toml(&config_toml, "test", &[]).expect("config");
     let topic = format!("{}.public.big", db.name);
@@ -699,6 +704,11 @@ async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert_eq!(completed.rows.get("public.big"), Some(&(ROWS as u64)));
+    assert_eq!(
+        completed.chunks.get("public.big"),
+        Some(&7),
+        "200,000 rows in chunks of 30,000"
+    );
     assert!(completed.consistent_point.is_some());
     let start: i64 = completed.start_offsets[&topic].values().sum();
     let end: i64 = completed.end_offsets[&topic].values().sum();
