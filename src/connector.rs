@@ -1069,10 +1069,16 @@ async fn on_message(
             }
             Message::Update { old, new, .. } => {
                 let new_in = inputs(new);
-                match old {
-                    // The key changed: the old key is deleted, the new one created.
-                    Some(OldTuple::Key(o)) => {
-                        let old_in = inputs(o);
+                // 'K' old tuples are only sent when the key changed.
+                let key_change = match old {
+                    Some(OldTuple::Key(_)) => true,
+                    Some(OldTuple::Full(o)) => key_changed(codec, o, new),
+                    None => false,
+                };
+                match (old, key_change) {
+                    // The old key is deleted, the new one created.
+                    (Some(o), true) => {
+                        let old_in = inputs(o.values());
                         output
                             .emit(codec, Op::Delete, Some(&old_in), None, &src)
                             .await?;
@@ -1080,22 +1086,13 @@ async fn on_message(
                             .emit(codec, Op::Create, None, Some(&new_in), &src)
                             .await?;
                     }
-                    Some(OldTuple::Full(o)) if key_changed(codec, o, new) => {
-                        let old_in = inputs(o);
-                        output
-                            .emit(codec, Op::Delete, Some(&old_in), None, &src)
-                            .await?;
-                        output
-                            .emit(codec, Op::Create, None, Some(&new_in), &src)
-                            .await?;
-                    }
-                    Some(OldTuple::Full(o)) => {
+                    (Some(OldTuple::Full(o)), false) => {
                         let old_in = inputs(o);
                         output
                             .emit(codec, Op::Update, Some(&old_in), Some(&new_in), &src)
                             .await?;
                     }
-                    None => {
+                    _ => {
                         output
                             .emit(codec, Op::Update, None, Some(&new_in), &src)
                             .await?;

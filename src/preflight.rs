@@ -411,27 +411,14 @@ async fn check_publication(
         (row.get(3), "delete"),
         (row.get(4), "truncate"),
     ];
-    let covered: Vec<String> = client
-        .query(
-            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1",
-            &[&src.publication],
-        )
-        .await?
-        .iter()
-        .map(|row| row.get(0))
-        .collect();
-    let missing: Vec<&String> = src.tables.iter().filter(|t| !covered.contains(t)).collect();
+    let missing = crate::source::slot::uncovered_tables(client, config).await?;
     let missing_ops: Vec<&str> = ops
         .iter()
         .filter(|(on, _)| !on)
         .map(|(_, op)| *op)
         .collect();
     if !missing.is_empty() {
-        let list = missing
-            .iter()
-            .map(|s| s.as_str())
-            .collect::<Vec<_>>()
-            .join(", ");
+        let list = missing.join(", ");
         r.fail(
             name,
             format!("publication '{}' does not cover {list}", src.publication),

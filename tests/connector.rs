@@ -95,9 +95,12 @@ async fn events(stack: &support::Stack, topic: &str, count: usize) -> Vec<Event>
                 else {
                     panic!("position")
                 };
-                (*c, *s, 0)
+                // A key change's delete and create share one position;
+                // the delete comes first.
+                let rank = i64::from(text(get(v, "op")) != "d");
+                (*c, *s, rank)
             })
-            .unwrap_or((i64::MAX, i64::MAX, 1))
+            .unwrap_or((i64::MAX, i64::MAX, 2))
     });
     out
 }
@@ -290,7 +293,7 @@ async fn run_streams_snapshot_and_changes_as_debezium_envelopes() {
             env!("CARGO_MANIFEST_DIR"),
             "/tests/interop/read_changelog.py"
         ))
-        .args([&orders_topic, "12"])
+        .args([orders_topic.as_str(), "12", "amount"])
         .env("PGCDC_REGISTRY_URL", &stack.registry_url)
         .env("PGCDC_KAFKA_BROKERS", &stack.brokers)
         .output()
@@ -327,27 +330,7 @@ async fn a_connector_killed_mid_stream_loses_nothing_and_replays_identical_posit
     let topic = format!("{}.public.bulk", db.name);
 
     let mut connector = ConnectorProcess::start(&config);
-    // Streaming has begun once the slot is held.
-    let probe = db.client().await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let active = probe
-            .query_opt(
-                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                &[&db.name],
-            )
-            .await
-            .expect("probe")
-            .is_some();
-        if active {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the connector never started streaming"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::wait_streaming(&db.client().await, &db.name).await;
 
     for t in 0..TXNS {
         client
@@ -443,22 +426,7 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
     let metrics_port = support::free_port();
     let metrics_addr = format!("127.0.0.1:{metrics_port}");
     let connector = ConnectorProcess::start_with(&config, &["--metrics-addr", &metrics_addr]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let streaming = client
-            .query_opt(
-                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-                &[&db.name],
-            )
-            .await
-            .expect("slot")
-            .is_some();
-        if streaming {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "never streaming");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::wait_streaming(&client, &db.name).await;
 
     // Busy WAL that the captured table did not write.
     for _ in 0..50 {
@@ -558,19 +526,7 @@ async fn toast_full_identity_truncate_and_schema_changes_are_carried_faithfully(
     let docs = format!("{}.public.docs", db.name);
     let audit = format!("{}.public.audit", db.name);
     let connector = ConnectorProcess::start(&config);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while client
-        .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-            &[&db.name],
-        )
-        .await
-        .expect("slot")
-        .is_none()
-    {
-        assert!(std::time::Instant::now() < deadline, "never streaming");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::wait_streaming(&client, &db.name).await;
 
     client
         .batch_execute(
@@ -755,19 +711,7 @@ async fn a_one_million_row_transaction_streams_with_bounded_memory() {
     ));
     let connector = ConnectorProcess::start(&config);
     let pid = connector.child.id().expect("pid");
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while client
-        .query_opt(
-            "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
-            &[&db.name],
-        )
-        .await
-        .expect("slot")
-        .is_none()
-    {
-        assert!(std::time::Instant::now() < deadline, "never streaming");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    support::wait_streaming(&client, &db.name).await;
     let baseline = peak_rss_kib(pid);
 
     // One transaction, about 200 MB of row data. The target is the insert

@@ -304,17 +304,25 @@ impl TableCodec {
         self.key_id.zip(self.value_id)
     }
 
-    fn row(&self, values: &[Input<'_>]) -> Result<Value, EncodeError> {
+    /// Converts the columns of a row (only the key columns with `key`)
+    /// into record fields.
+    fn fields(&self, values: &[Input<'_>], key: bool) -> Result<Value, EncodeError> {
         if values.len() != self.desc.columns.len() {
             return Err(EncodeError::Arity(values.len(), self.desc.columns.len()));
         }
+        let layouts = if key {
+            &self.key_layouts
+        } else {
+            &self.layouts
+        };
         let fields = self
             .desc
             .columns
             .iter()
             .zip(&self.kinds)
-            .zip(&self.layouts)
+            .zip(layouts)
             .zip(values)
+            .filter(|(((c, _), _), _)| !key || c.key)
             .map(|(((c, k), l), v)| {
                 convert(k, l, *v)
                     .map(|val| (avro_name(&c.name), val))
@@ -329,27 +337,7 @@ impl TableCodec {
 
     /// The framed key of a row (from its full image or its key image).
     pub fn encode_key(&self, values: &[Input<'_>]) -> Result<Vec<u8>, EncodeError> {
-        if values.len() != self.desc.columns.len() {
-            return Err(EncodeError::Arity(values.len(), self.desc.columns.len()));
-        }
-        let fields = self
-            .desc
-            .columns
-            .iter()
-            .zip(&self.kinds)
-            .zip(&self.key_layouts)
-            .zip(values)
-            .filter(|(((c, _), _), _)| c.key)
-            .map(|(((c, k), l), v)| {
-                convert(k, l, *v)
-                    .map(|val| (avro_name(&c.name), val))
-                    .map_err(|source| EncodeError::Column {
-                        column: c.name.clone(),
-                        source,
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        frame(self.key_id, &self.key_writer, &Value::Record(fields))
+        frame(self.key_id, &self.key_writer, &self.fields(values, true)?)
     }
 
     /// The framed envelope of one change.
@@ -363,7 +351,7 @@ impl TableCodec {
         let image = |v: Option<&[Input<'_>]>| -> Result<Value, EncodeError> {
             Ok(match v {
                 None => Value::Union(0, Box::new(Value::Null)),
-                Some(vals) => Value::Union(1, Box::new(self.row(vals)?)),
+                Some(vals) => Value::Union(1, Box::new(self.fields(vals, false)?)),
             })
         };
         let opt_long = |v: Option<i64>| match v {

@@ -189,21 +189,7 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
         tracing::info!(publication = %src.publication, tables = src.tables.len(), "publication created");
         return Ok(true);
     }
-    let covered: Vec<String> = client
-        .query(
-            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1",
-            &[&src.publication],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let missing: Vec<&str> = src
-        .tables
-        .iter()
-        .filter(|t| !covered.contains(t))
-        .map(String::as_str)
-        .collect();
+    let missing = uncovered_tables(client, config).await?;
     if missing.is_empty() {
         Ok(false)
     } else {
@@ -212,6 +198,29 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
             missing: missing.join(", "),
         })
     }
+}
+
+/// The captured tables that the configured publication does not cover.
+pub async fn uncovered_tables(
+    client: &Client,
+    config: &Config,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    let covered: Vec<String> = client
+        .query(
+            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1",
+            &[&config.source.publication],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    Ok(config
+        .source
+        .tables
+        .iter()
+        .filter(|t| !covered.contains(t))
+        .cloned()
+        .collect())
 }
 
 /// Quotes a Postgres identifier.

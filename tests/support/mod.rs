@@ -612,3 +612,26 @@ impl ConnectorProcess {
         status.code().unwrap_or(-1)
     }
 }
+
+/// Waits until a connection holds the slot: the connector is streaming.
+pub async fn wait_streaming(client: &Client, slot: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let active = client
+            .query_opt(
+                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                &[&slot],
+            )
+            .await
+            .expect("slot state")
+            .is_some();
+        if active {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slot {slot} never became active"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
