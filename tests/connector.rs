@@ -437,24 +437,9 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
             .await
             .expect("busy");
     }
-    let target: String = client
-        .query_one("SELECT pg_current_wal_lsn()::text", &[])
-        .await
-        .expect("lsn")
-        .get(0);
+    let target = insert_lsn(&client).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let passed: bool = client
-            .query_one(
-                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-                &[&db.name, &target],
-            )
-            .await
-            .expect("slot")
-            .get(0);
-        if passed {
-            break;
-        }
+    while !confirmed_reached(&client, &db.name, &target).await {
         assert!(
             std::time::Instant::now() < deadline,
             "the slot did not advance past {target} while only other tables were busy"
@@ -677,6 +662,29 @@ async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
     db.drop_db().await;
 }
 
+/// The WAL insert position: unlike `pg_current_wal_lsn()` (the write
+/// position), it includes a commit that `synchronous_commit=off` has not
+/// written yet.
+async fn insert_lsn(client: &tokio_postgres::Client) -> String {
+    client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .expect("lsn")
+        .get(0)
+}
+
+/// Whether the slot's confirmed LSN reached `target`.
+async fn confirmed_reached(client: &tokio_postgres::Client, slot: &str, target: &str) -> bool {
+    client
+        .query_one(
+            "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot, &target],
+        )
+        .await
+        .expect("slot")
+        .get(0)
+}
+
 /// Peak resident memory of a process, in KiB.
 fn peak_rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -723,24 +731,12 @@ async fn a_one_million_row_transaction_streams_with_bounded_memory() {
         ))
         .await
         .expect("insert");
-    let target: String = client
-        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
-        .await
-        .expect("lsn")
-        .get(0);
+    let target = insert_lsn(&client).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(900);
     let mut peak = baseline;
     loop {
         peak = peak.max(peak_rss_kib(pid));
-        let done: bool = client
-            .query_one(
-                "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
-                &[&db.name, &target],
-            )
-            .await
-            .expect("slot")
-            .get(0);
-        if done {
+        if confirmed_reached(&client, &db.name, &target).await {
             break;
         }
         assert!(
