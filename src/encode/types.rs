@@ -48,6 +48,9 @@ pub enum Kind {
     Timestamp,
     TimestampTz,
     Json,
+    /// A one-dimensional array with default bounds, as an Avro array of
+    /// nullable elements; other arrays travel as their exact text.
+    Array(Box<Kind>),
     /// Carried as the exact Postgres text; the type name is kept.
     Other(String),
 }
@@ -80,11 +83,16 @@ impl Kind {
             1114 => Kind::Timestamp,
             1184 => Kind::TimestampTz,
             114 | 3802 => Kind::Json,
-            _ => Kind::Other(type_name.to_string()),
+            _ => match array_element(oid) {
+                // Array typmods apply to the elements (numeric(p,s)[]).
+                Some(elem) => Kind::Array(Box::new(Kind::of(elem, typmod, ""))),
+                None => Kind::Other(type_name.to_string()),
+            },
         }
     }
 
     /// Whether some values of this kind travel in the special `string` branch.
+    /// (Arrays: multi-dimensional ones and those with non-default bounds.)
     pub fn has_specials(&self) -> bool {
         matches!(
             self,
@@ -94,7 +102,88 @@ impl Kind {
                 | Kind::Time
                 | Kind::Timestamp
                 | Kind::TimestampTz
+                | Kind::Array(_)
         )
+    }
+}
+
+/// The element type of the built-in array types with a dedicated mapping.
+fn array_element(oid: u32) -> Option<u32> {
+    Some(match oid {
+        1000 => 16,   // bool[]
+        1001 => 17,   // bytea[]
+        1005 => 21,   // int2[]
+        1007 => 23,   // int4[]
+        1016 => 20,   // int8[]
+        1009 => 25,   // text[]
+        1015 => 1043, // varchar[]
+        1014 => 1042, // char[]
+        1021 => 700,  // float4[]
+        1022 => 701,  // float8[]
+        1231 => 1700, // numeric[]
+        2951 => 2950, // uuid[]
+        1182 => 1082, // date[]
+        1183 => 1083, // time[]
+        1115 => 1114, // timestamp[]
+        1185 => 1184, // timestamptz[]
+        199 => 114,   // json[]
+        3807 => 3802, // jsonb[]
+        _ => return None,
+    })
+}
+
+/// The layout of an array element: nullable, with the element's specials.
+fn element_layout(elem: &Kind) -> Layout {
+    Layout {
+        nullable: true,
+        specials: elem.has_specials(),
+        unchanged: false,
+    }
+}
+
+/// Splits a one-dimensional array literal into its elements (`None` for
+/// NULL); `None` when it is not one (multi-dimensional, explicit bounds).
+fn array_elements(text: &str) -> Option<Vec<Option<String>>> {
+    let body = text.strip_prefix('{')?.strip_suffix('}')?;
+    if body.starts_with('{') {
+        return None;
+    }
+    let mut out = Vec::new();
+    if body.is_empty() {
+        return Some(out);
+    }
+    let mut chars = body.chars().peekable();
+    loop {
+        let mut element = String::new();
+        let quoted = chars.peek() == Some(&'"');
+        if quoted {
+            chars.next();
+            loop {
+                match chars.next()? {
+                    '\\' => element.push(chars.next()?),
+                    '"' => break,
+                    c => element.push(c),
+                }
+            }
+        } else {
+            while let Some(&c) = chars.peek() {
+                if c == ',' {
+                    break;
+                }
+                element.push(c);
+                chars.next();
+            }
+        }
+        out.push(if !quoted && element == "NULL" {
+            None
+        } else {
+            Some(element)
+        });
+        match chars.next() {
+            None => return Some(out),
+            Some(',') => {}
+            Some(_) => return None,
+        }
     }
 }
 
@@ -157,6 +246,10 @@ pub fn base_schema(kind: &Kind, names: &mut Names) -> Json {
         }),
         Kind::TimestampTz => json!({"type": "long", "logicalType": "timestamp-micros"}),
         Kind::Json => json!({"type": "string", "connect.name": "io.debezium.data.Json"}),
+        Kind::Array(elem) => json!({
+            "type": "array",
+            "items": column_schema(elem, &element_layout(elem), names)
+        }),
         Kind::Other(name) => json!({"type": "string", "pgcdc.type": name}),
     }
 }
@@ -279,6 +372,7 @@ fn is_special(kind: &Kind, text: &str) -> bool {
         }
         // Postgres allows 24:00:00, which time-of-day readers reject.
         Kind::Time => text.starts_with("24:"),
+        Kind::Array(_) => array_elements(text).is_none(),
         _ => {
             matches!(text, "infinity" | "-infinity")
                 || text.ends_with(" BC")
@@ -318,6 +412,18 @@ fn parse(kind: &Kind, text: &str) -> Option<Value> {
             ])
         }
         Kind::Text | Kind::Json | Kind::Other(_) => Value::String(text.to_string()),
+        Kind::Array(elem) => {
+            let layout = element_layout(elem);
+            let mut items = Vec::new();
+            for e in array_elements(text)? {
+                let input = match &e {
+                    None => Input::Null,
+                    Some(t) => Input::Text(t.as_bytes()),
+                };
+                items.push(convert(elem, &layout, input).ok()?);
+            }
+            Value::Array(items)
+        }
         Kind::Bytes => Value::Bytes(parse_bytea(text)?),
         Kind::Uuid => Value::Uuid(text.parse().ok()?),
         Kind::Date => Value::Date(i32::try_from(parse_date(text)?).ok()?),
@@ -645,6 +751,56 @@ mod tests {
         assert_eq!(
             inner(conv(&Kind::Other("inet".into()), "10.0.0.1/8")),
             Value::String("10.0.0.1/8".into())
+        );
+    }
+
+    #[test]
+    fn one_dimensional_arrays_are_typed_and_others_stay_exact_text() {
+        let ints = Kind::of(1007, -1, "integer[]");
+        assert_eq!(ints, Kind::Array(Box::new(Kind::Int32)));
+        let null = Value::Union(0, Box::new(Value::Null));
+        assert_eq!(
+            inner(conv(&ints, "{1,NULL,3}")),
+            Value::Array(vec![
+                Value::Union(1, Box::new(Value::Int(1))),
+                null.clone(),
+                Value::Union(1, Box::new(Value::Int(3))),
+            ])
+        );
+        assert_eq!(inner(conv(&ints, "{}")), Value::Array(vec![]));
+        let texts = Kind::of(1009, -1, "text[]");
+        assert_eq!(
+            inner(conv(
+                &texts,
+                r#"{"a,b","NULL",NULL,"q\"uote","back\\slash"}"#
+            )),
+            Value::Array(vec![
+                Value::Union(1, Box::new(Value::String("a,b".into()))),
+                Value::Union(1, Box::new(Value::String("NULL".into()))),
+                null,
+                Value::Union(1, Box::new(Value::String("q\"uote".into()))),
+                Value::Union(1, Box::new(Value::String("back\\slash".into()))),
+            ])
+        );
+        for exact in ["{{1,2},{3,4}}", "[0:1]={1,2}"] {
+            assert_eq!(
+                conv(&ints, exact),
+                Ok(Value::Union(2, Box::new(Value::String(exact.into()))))
+            );
+        }
+        // numeric(12,2)[]: the typmod reaches the elements.
+        let money = Kind::of(1231, (12 << 16 | 2) + 4, "numeric(12,2)[]");
+        assert_eq!(
+            money,
+            Kind::Array(Box::new(Kind::Decimal {
+                precision: 12,
+                scale: 2
+            }))
+        );
+        assert!(conv(&money, "{1.5,NaN}").is_ok());
+        assert!(
+            conv(&ints, "{1,x}").is_err(),
+            "a bad element is an error, not a guess"
         );
     }
 
