@@ -771,3 +771,96 @@ async fn a_one_million_row_transaction_streams_with_bounded_memory() {
     eprintln!("1M-row transaction: peak RSS {peak} KiB (baseline {baseline} KiB)");
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn a_frozen_broker_stalls_the_slot_with_a_warning_and_nothing_is_lost() {
+    let stack = support::stack();
+    let broker = support::PrivateBroker::start(&stack);
+    let db = TestDb::create(&stack, "run_stall").await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE public.t (id bigint PRIMARY KEY)")
+        .await
+        .expect("table");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.t"])
+        .replace(&stack.brokers, &broker.address)
+        .replace(
+            "tables = [",
+            "heartbeat_interval_secs = 1\nstall_warning_secs = 2\ntables = [",
+        );
+    let config = ConfigFile::write(&toml);
+    let log = tempfile::NamedTempFile::new().expect("log");
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
+        .args(["run", "--config", config.arg()])
+        .stderr(log.reopen().expect("log"))
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn");
+    // The slot is held from its creation on; wait for the stream itself.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !std::fs::read_to_string(log.path())
+        .unwrap_or_default()
+        .contains("streaming")
+    {
+        assert!(std::time::Instant::now() < deadline, "never streaming");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    broker.freeze();
+    let before = insert_lsn(&client).await;
+    client
+        .batch_execute("INSERT INTO public.t SELECT generate_series(1, 100)")
+        .await
+        .expect("insert");
+    // While Kafka cannot acknowledge, the slot must not move past the rows.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let logged = std::fs::read_to_string(log.path()).unwrap_or_default();
+        if logged.contains("has not moved while WAL grows") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no stall warning:\n{logged}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let after_insert = insert_lsn(&client).await;
+    assert!(
+        !confirmed_reached(&client, &db.name, &after_insert).await,
+        "the slot advanced past rows Kafka never acknowledged (from {before})"
+    );
+
+    broker.thaw();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while !confirmed_reached(&client, &db.name, &after_insert).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot did not resume after the broker came back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let private = support::Stack {
+        brokers: broker.address.clone(),
+        ..stack.clone()
+    };
+    let records = support::read_topic(
+        &private,
+        &format!("{}.public.t", db.name),
+        100,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(records.len(), 100);
+    if let Some(pid) = child.id() {
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+    }
+    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
+        .await
+        .expect("stop")
+        .expect("wait");
+    assert_eq!(status.code(), Some(0));
+    db.drop_db().await;
+}

@@ -21,6 +21,9 @@ pub struct Stack {
     pub brokers: String,
     pub registry_url: String,
     pub pg_bindir: PathBuf,
+    /// The Kafka-protocol broker binary, for tests that need a broker of
+    /// their own (to stop or freeze it).
+    pub broker_bin: PathBuf,
 }
 
 fn var(name: &str) -> String {
@@ -37,6 +40,7 @@ pub fn stack() -> Stack {
         brokers: var("PGCDC_KAFKA_BROKERS"),
         registry_url: var("PGCDC_REGISTRY_URL"),
         pg_bindir: PathBuf::from(var("PGCDC_PG_BINDIR")),
+        broker_bin: PathBuf::from(var("PGCDC_BROKER_BIN")),
     }
 }
 
@@ -613,7 +617,8 @@ impl ConnectorProcess {
     }
 }
 
-/// Waits until a connection holds the slot: the connector is streaming.
+/// Waits until a connection holds the slot: the connector has created it
+/// (it holds it from then on, through the snapshot and the stream).
 pub async fn wait_streaming(client: &Client, slot: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
@@ -633,5 +638,70 @@ pub async fn wait_streaming(client: &Client, slot: &str) {
             "slot {slot} never became active"
         );
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// A broker of a test's own (memory storage), killed when dropped.
+pub struct PrivateBroker {
+    child: std::process::Child,
+    pub address: String,
+}
+
+impl PrivateBroker {
+    pub fn start(stack: &Stack) -> PrivateBroker {
+        let port = free_port();
+        let url = format!("tcp://127.0.0.1:{port}");
+        let child = Command::new(&stack.broker_bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+            ])
+            .args([
+                "--storage-engine",
+                "memory://nisshi/",
+                "--group-initial-rebalance-delay",
+                "0s",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start broker");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "private broker did not start"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        PrivateBroker {
+            child,
+            address: format!("127.0.0.1:{port}"),
+        }
+    }
+
+    /// SIGSTOP: the broker holds its connections but answers nothing.
+    pub fn freeze(&self) {
+        let _ = Command::new("kill")
+            .args(["-STOP", &self.child.id().to_string()])
+            .status();
+    }
+
+    /// SIGCONT after `freeze`.
+    pub fn thaw(&self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .status();
+    }
+}
+
+impl Drop for PrivateBroker {
+    fn drop(&mut self) {
+        self.thaw();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
