@@ -54,7 +54,7 @@ const STATUS_INTERVAL: Duration = Duration::from_secs(1);
 pub enum RunError {
     #[error("config: {0}")]
     Config(String),
-    #[error("postgres: {0}")]
+    #[error("postgres: {}", source::error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("replication: {0}")]
     Replication(#[from] pgwire_replication::PgWireError),
@@ -459,6 +459,10 @@ async fn advance_slot(sql: &Client, slot_name: &str, lsn: u64) {
 
 /// A table's snapshot plan: its codec and the row ranges to copy.
 struct TablePlan {
+    /// The planning session, its transaction open: its ACCESS SHARE lock
+    /// keeps DDL (a dropped column) from breaking the copies until the
+    /// snapshot ends.
+    _lock: Client,
     table: String,
     oid: u32,
     codec: Arc<TableCodec>,
@@ -490,9 +494,22 @@ async fn plan_table(
     let client = snapshot_session(output, snapshot_name).await?;
     let (schema, name) =
         split_table(table).ok_or_else(|| RunError::Config(format!("bad table {table}")))?;
-    let (oid, desc) = catalog::describe(&client, schema, name)
+    client
+        .batch_execute(&format!(
+            "LOCK TABLE {}.{} IN ACCESS SHARE MODE",
+            slot::quote_ident(schema),
+            slot::quote_ident(name)
+        ))
+        .await?;
+    // The columns as they are now, not as of the snapshot: COPY resolves
+    // names against the current catalog, and DDL committed after the
+    // snapshot but before the lock above must not break it. The lock keeps
+    // this stable until the snapshot ends.
+    let current = sql_session(&output.config).await?;
+    let (oid, desc) = catalog::describe(&current, schema, name)
         .await?
         .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
+    drop(current);
     let columns = desc
         .columns
         .iter()
@@ -548,9 +565,9 @@ async fn plan_table(
             }
         }
     }
-    client.batch_execute("COMMIT").await?;
     let codec = Arc::new(output.codec(desc).await?);
     Ok(TablePlan {
+        _lock: client,
         table: table.to_string(),
         oid,
         codec,
@@ -963,30 +980,33 @@ impl Stall {
 /// Marks key columns of a Relation's columns from the catalog's key.
 async fn relation_desc(sql: &Client, rel: &pgoutput::Relation) -> Result<TableDesc, RunError> {
     let keys = catalog::key_columns(sql, rel.oid).await?;
+    // Type names, for types without a dedicated mapping: one query.
+    let oids: Vec<u32> = rel.columns.iter().map(|c| c.type_oid).collect();
+    let names: Vec<String> = sql
+        .query(
+            "SELECT format_type(t.oid, NULL) FROM unnest($1::oid[]) WITH ORDINALITY AS t(oid, n) ORDER BY n",
+            &[&oids],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
     let columns = rel
         .columns
         .iter()
-        .map(|c| ColumnDesc {
+        .zip(names)
+        .map(|(c, type_name)| ColumnDesc {
             name: c.name.clone(),
             type_oid: c.type_oid,
             type_modifier: c.type_modifier,
-            type_name: String::new(),
+            type_name,
             key: keys.contains(&c.name),
         })
-        .collect::<Vec<_>>();
-    // Type names of types without a dedicated mapping, for the schema.
-    let mut with_names = Vec::with_capacity(columns.len());
-    for mut c in columns {
-        c.type_name = sql
-            .query_one("SELECT format_type($1, NULL)", &[&c.type_oid])
-            .await?
-            .get(0);
-        with_names.push(c);
-    }
+        .collect();
     Ok(TableDesc {
         schema: rel.namespace.clone(),
         table: rel.name.clone(),
-        columns: with_names,
+        columns,
     })
 }
 

@@ -470,38 +470,32 @@ async fn check_slot(
 ) -> Result<(), tokio_postgres::Error> {
     let src = &config.source;
     let name = "postgres.slot";
-    let row = client
-        .query_opt(
-            "SELECT coalesce(plugin::text, ''), slot_type::text, coalesce(database::text, ''), current_database()::text,
-                    active, coalesce(wal_status, ''), safe_wal_size,
-                    pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
-                    pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
-                    coalesce(confirmed_flush_lsn::text, '')
-             FROM pg_replication_slots WHERE slot_name = $1",
-            &[&src.slot],
-        )
-        .await?;
-    let Some(row) = row else {
+    let Some(status) = crate::source::slot::status(client, &src.slot).await? else {
         r.pass(name, format!("slot '{}' does not exist yet; `pgcdc run` creates it and takes the initial snapshot", src.slot));
         return Ok(());
     };
-    let plugin: String = row.get(0);
-    let slot_type: String = row.get(1);
-    let (db, current_db): (String, String) = (row.get(2), row.get(3));
-    let active: bool = row.get(4);
-    let wal_status: String = row.get(5);
-    let safe: Option<i64> = row.get(6);
-    let retained: Option<i64> = row.get(7);
-    let lag: Option<i64> = row.get(8);
-    let confirmed: String = row.get(9);
+    let current_db: String = client
+        .query_one("SELECT current_database()::text", &[])
+        .await?
+        .get(0);
+    let (plugin, db, active) = (&status.plugin, &status.database, status.active);
+    let wal_status = status.wal_status.clone().unwrap_or_default();
+    let safe = status.safe_wal_size;
+    let retained = status.retained_wal_bytes;
+    let lag = status.lag_bytes;
+    let confirmed = status.confirmed_flush_lsn.clone().unwrap_or_default();
     let recovery = crate::source::slot::recovery_hint(&src.slot);
-    if slot_type != "logical" || plugin != "pgoutput" {
+    // A physical slot has no plugin, so this covers it too.
+    if plugin != "pgoutput" {
         r.fail(
             name,
-            format!("slot '{}' is a {slot_type} slot with plugin '{plugin}', not a logical pgoutput slot", src.slot),
+            format!(
+                "slot '{}' has plugin '{plugin}', not a logical pgoutput slot",
+                src.slot
+            ),
             "choose another source.slot, or drop this slot if it is unused",
         );
-    } else if db != current_db {
+    } else if *db != current_db {
         r.fail(
             name,
             format!(

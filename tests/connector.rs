@@ -330,7 +330,14 @@ async fn a_connector_killed_mid_stream_loses_nothing_and_replays_identical_posit
     let topic = format!("{}.public.bulk", db.name);
 
     let mut connector = ConnectorProcess::start(&config);
-    support::wait_streaming(&db.client().await, &db.name).await;
+    // Kill mid-stream, not mid-snapshot: wait for the completed marker.
+    let parsed = pgcdc::config::Config::from_toml(
+        &support::pipeline_toml(&stack, &db.url, &db.name, &["public.bulk"]),
+        "test",
+        &[],
+    )
+    .expect("config");
+    support::wait_snapshot_completed(&parsed).await;
 
     for t in 0..TXNS {
         client

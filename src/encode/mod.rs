@@ -161,6 +161,8 @@ pub struct TableCodec {
     pub key_schema: Json,
     pub value_schema: Json,
     kinds: Vec<Kind>,
+    /// Avro field names of the columns, sanitized once.
+    field_names: Vec<String>,
     layouts: Vec<Layout>,
     key_layouts: Vec<Layout>,
     /// Built once: resolving a schema dominates encode time otherwise.
@@ -276,6 +278,7 @@ impl TableCodec {
             ]
         });
         Ok(TableCodec {
+            field_names: desc.columns.iter().map(|c| avro_name(&c.name)).collect(),
             key_writer: leak_writer(&key_schema)?,
             value_writer: leak_writer(&value_schema)?,
             key_schema,
@@ -322,10 +325,11 @@ impl TableCodec {
             .zip(&self.kinds)
             .zip(layouts)
             .zip(values)
-            .filter(|(((c, _), _), _)| !key || c.key)
-            .map(|(((c, k), l), v)| {
+            .zip(&self.field_names)
+            .filter(|((((c, _), _), _), _)| !key || c.key)
+            .map(|((((c, k), l), v), field)| {
                 convert(k, l, *v)
-                    .map(|val| (avro_name(&c.name), val))
+                    .map(|val| (field.clone(), val))
                     .map_err(|source| EncodeError::Column {
                         column: c.name.clone(),
                         source,

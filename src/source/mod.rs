@@ -22,3 +22,12 @@ pub async fn connect(dsn: &Dsn) -> Result<Client, tokio_postgres::Error> {
     });
     Ok(client)
 }
+
+/// A Postgres error with the server's message and SQLSTATE; tokio-postgres
+/// displays a server error as just "db error".
+pub fn error_text(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}

@@ -22,7 +22,7 @@ pub fn recovery_hint(slot: &str) -> String {
 
 #[derive(Debug, thiserror::Error)]
 pub enum SlotError {
-    #[error("{0}")]
+    #[error("postgres: {}", super::error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("publication '{publication}' does not cover {missing}; fix: ALTER PUBLICATION {publication} ADD TABLE {missing}")]
     PublicationIncomplete {
@@ -92,7 +92,10 @@ impl fmt::Display for SlotStatus {
 }
 
 /// Reads a slot's status; `None` when it does not exist.
-pub async fn status(client: &Client, slot: &str) -> Result<Option<SlotStatus>, SlotError> {
+pub async fn status(
+    client: &Client,
+    slot: &str,
+) -> Result<Option<SlotStatus>, tokio_postgres::Error> {
     let row = client
         .query_opt(
             "SELECT slot_name::text, coalesce(plugin::text, ''), coalesce(database::text, ''),

@@ -705,3 +705,23 @@ impl Drop for PrivateBroker {
         let _ = self.child.wait();
     }
 }
+
+/// Waits until the pipeline's latest snapshot marker says `completed`.
+pub async fn wait_snapshot_completed(config: &pgcdc::config::Config) {
+    use pgcdc::snapshot_marker::{latest, topic, Phase};
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let marker = latest(&config.kafka, &topic(config), &config.source.slot)
+            .await
+            .ok()
+            .flatten();
+        if marker.is_some_and(|m| m.phase == Phase::Completed) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the snapshot never completed"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
