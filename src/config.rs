@@ -179,6 +179,12 @@ fn default_partitions() -> i32 {
 fn default_replication_factor() -> i32 {
     1
 }
+/// Groups source transactions for a tenth of a second: one Kafka commit
+/// (a round trip to the transaction coordinator) per group, not per row.
+pub const DEFAULT_TRANSACTION_INTERVAL_MS: u64 = 100;
+fn default_transaction_interval_ms() -> u64 {
+    DEFAULT_TRANSACTION_INTERVAL_MS
+}
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -194,6 +200,15 @@ pub struct KafkaConfig {
     /// `cleanup.policy` of created changelog topics.
     #[serde(default)]
     pub cleanup_policy: CleanupPolicy,
+    /// Opt-in exactly-once into Kafka: source transactions are produced
+    /// inside Kafka transactions together with the committed position in
+    /// `<prefix>.offsets`. Needs a broker with transactions.
+    #[serde(default)]
+    pub exactly_once: bool,
+    /// In exactly-once mode, source transactions committed within this
+    /// many milliseconds share one Kafka transaction.
+    #[serde(default = "default_transaction_interval_ms")]
+    pub transaction_interval_ms: u64,
     /// Passed through to librdkafka (SASL, SSL, compression, ...).
     #[serde(default)]
     pub properties: Properties,
@@ -267,6 +282,8 @@ pub const MANAGED_KAFKA_PROPERTIES: &[&str] = &[
     "request.required.acks",
     "enable.auto.commit",
     "enable.auto.offset.store",
+    "transactional.id",
+    "isolation.level",
 ];
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -437,6 +454,11 @@ impl Config {
             "must be 1-200 characters of a-z, A-Z, 0-9, '.', '_' or '-'",
         );
         v.check(k.partitions >= 1, "kafka.partitions", "must be at least 1");
+        v.check(
+            (1..=60_000).contains(&k.transaction_interval_ms),
+            "kafka.transaction_interval_ms",
+            "must be between 1 and 60000",
+        );
         v.check(
             k.replication_factor >= 1,
             "kafka.replication_factor",
@@ -792,6 +814,29 @@ url = "http://127.0.0.1:8081"
                 "kafka.properties.\"acks\""
             ]
         );
+    }
+
+    #[test]
+    fn exactly_once_settings_are_validated() -> Result<(), ConfigError> {
+        let c = load(MINIMAL, &[])?;
+        assert!(!c.kafka.exactly_once);
+        assert_eq!(
+            c.kafka.transaction_interval_ms,
+            DEFAULT_TRANSACTION_INTERVAL_MS
+        );
+        let text = MINIMAL.replace(
+            "[kafka]",
+            "[kafka]\nexactly_once = true\ntransaction_interval_ms = 0\nproperties = { \"transactional.id\" = \"x\" }",
+        );
+        let got = load(&text, &[]).err().map(paths).unwrap_or_default();
+        assert_eq!(
+            got,
+            vec![
+                "kafka.transaction_interval_ms",
+                "kafka.properties.\"transactional.id\""
+            ]
+        );
+        Ok(())
     }
 
     #[test]

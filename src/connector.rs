@@ -28,7 +28,6 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use pgwire_replication::{Lsn as WireLsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
-use rdkafka::producer::FutureProducer;
 use tokio_postgres::Client;
 
 use crate::config::{split_table, Config, SnapshotMode};
@@ -37,6 +36,7 @@ use crate::encode::{
     ColumnDesc, EncodeError, Op, Position, SourceInfo, TableCodec, TableDesc, TransactionCodec,
 };
 use crate::observe;
+use crate::offsets::{self, Offset};
 use crate::registry::client::{ClientError, RegistryClient};
 use crate::sink::{self, Acks};
 use crate::snapshot_marker::{self, Marker, Phase};
@@ -146,7 +146,7 @@ struct Output {
     config: Arc<Config>,
     transactions: Arc<TransactionCodec>,
     registry: RegistryClient,
-    producer: FutureProducer,
+    producer: sink::Producer,
     acks: Arc<Acks>,
     db: Arc<str>,
 }
@@ -177,7 +177,7 @@ impl Output {
     /// Produces a BEGIN or END record on the transaction topic.
     async fn emit_transaction(&self, key: &[u8], value: &[u8]) -> Result<(), RunError> {
         let topic = transaction_topic(&self.config);
-        let f = sink::send(&self.producer, &topic, Some(key), Some(value)).await?;
+        let f = self.producer.send(&topic, Some(key), Some(value)).await?;
         self.acks.delivery(f).await.map_err(RunError::Delivery)
     }
 
@@ -209,10 +209,13 @@ impl Output {
             .increment(1);
         metrics::counter!(observe::EVENT_BYTES, "table" => table.clone())
             .increment(value.len() as u64);
-        let f = sink::send(&self.producer, &topic, key.as_deref(), Some(&value)).await?;
+        let f = self
+            .producer
+            .send(&topic, key.as_deref(), Some(&value))
+            .await?;
         self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         if op == Op::Delete && key.is_some() {
-            let f = sink::send(&self.producer, &topic, key.as_deref(), None).await?;
+            let f = self.producer.send(&topic, key.as_deref(), None).await?;
             self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         }
         Ok(())
@@ -261,6 +264,10 @@ pub async fn run(config: Config) -> Result<(), RunError> {
 
     snapshot_marker::ensure_topic(&config).await?;
     let marker_topic = snapshot_marker::topic(&config);
+    let exactly_once = config.kafka.exactly_once;
+    if exactly_once {
+        offsets::ensure_topic(&config).await?;
+    }
 
     let mut existing = slot::status(&sql, &config.source.slot).await?;
     if existing.as_ref().is_some_and(|s| s.active) {
@@ -309,10 +316,24 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             .register(&format!("{txn_topic}-value"), &transactions.value_schema)
             .await?,
     );
+    let transactional_id = exactly_once.then(|| offsets::transactional_id(&config));
+    let producer = sink::Producer::create(&config.kafka, transactional_id.as_deref()).await?;
+    // What Kafka already holds of the transactions the slot will replay.
+    let resume = match (&existing, exactly_once) {
+        (Some(_), true) => {
+            offsets::latest(&config.kafka, &offsets::topic(&config), &config.source.slot)
+                .await
+                .map_err(RunError::Delivery)?
+        }
+        _ => None,
+    };
+    if let Some(r) = &resume {
+        tracing::info!(commit_lsn = %r.commit_lsn, "exactly-once: Kafka holds every transaction up to this commit LSN");
+    }
     let output = Output {
         transactions: Arc::new(transactions),
         registry,
-        producer: sink::producer(&config.kafka)?,
+        producer,
         acks: Arc::new(Acks::start(initial_confirmed, MAX_IN_FLIGHT)),
         db: Arc::from(db.as_str()),
         config: config.clone(),
@@ -341,6 +362,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             snapshot_marker::write(&output.producer, &config, &marker)
                 .await
                 .map_err(RunError::Delivery)?;
+            output.producer.commit().await?;
         }
         let rows = repl
             .simple_query(&format!(
@@ -374,13 +396,24 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             snapshot_marker::write(&output.producer, &config, &marker)
                 .await
                 .map_err(RunError::Delivery)?;
+            if exactly_once {
+                // The snapshot's rows, its marker and the position become
+                // visible together, or not at all.
+                let offset = Offset::new(&config.source.slot, 0, consistent_point.0, now_ms());
+                let f = offsets::write(&output.producer, &config, &offset)
+                    .await
+                    .map_err(RunError::Delivery)?;
+                output.acks.delivery(f).await.map_err(RunError::Delivery)?;
+                output.producer.commit().await?;
+            }
         }
     }
 
     repl.start().await?;
     repl.wait_started().await?;
     tracing::info!(slot = %config.source.slot, "streaming");
-    let last = stream(&output, &mut repl, &sql, codecs).await;
+    let resume_commit = resume.as_ref().map_or(0, Offset::commit);
+    let last = stream(&output, &mut repl, &sql, codecs, resume_commit).await;
     let last = match last {
         Ok(l) => l,
         Err(e) => {
@@ -805,6 +838,8 @@ struct Txn {
     ts_ms: i64,
     seq: u64,
     table_order: HashMap<u32, u64>,
+    /// Kafka already holds this transaction (exactly-once resume).
+    skip: bool,
 }
 
 impl Txn {
@@ -814,29 +849,139 @@ impl Txn {
     }
 }
 
+/// Decides when a position may be released for confirmation.
+///
+/// At least once: at every source transaction boundary, behind the
+/// acknowledgements of everything produced before it. Exactly once: only
+/// after the Kafka transaction holding everything before it committed,
+/// together with an offset record naming the newest source transaction in
+/// it; boundaries seen while a Kafka transaction is open wait for its
+/// commit.
+struct Release {
+    /// The highest position handed to [`Acks`].
+    released: u64,
+    exactly_once: bool,
+    interval: Duration,
+    /// Exactly once: when the open Kafka transaction received its first
+    /// complete source transaction.
+    since: Option<std::time::Instant>,
+    /// Exactly once: (commit LSN, end LSN) of the newest complete source
+    /// transaction in the open Kafka transaction.
+    newest: Option<(u64, u64)>,
+    /// Exactly once: the highest boundary waiting for the commit.
+    waiting: u64,
+}
+
+impl Release {
+    fn new(output: &Output, released: u64) -> Release {
+        Release {
+            released,
+            exactly_once: output.producer.is_transactional(),
+            interval: Duration::from_millis(output.config.kafka.transaction_interval_ms),
+            since: None,
+            newest: None,
+            waiting: 0,
+        }
+    }
+
+    async fn release(&mut self, output: &Output, lsn: u64) -> Result<(), RunError> {
+        if lsn > self.released {
+            self.released = lsn;
+            output.acks.release(lsn).await.map_err(RunError::Delivery)?;
+        }
+        Ok(())
+    }
+
+    /// A source transaction whose events were all produced.
+    fn completed(&mut self, commit_lsn: u64, end_lsn: u64) {
+        self.newest = Some((commit_lsn, end_lsn));
+        self.since.get_or_insert_with(std::time::Instant::now);
+    }
+
+    /// Everything before `lsn` has been produced (or had nothing to
+    /// produce).
+    async fn boundary(&mut self, output: &Output, lsn: u64) -> Result<(), RunError> {
+        if !self.exactly_once || !output.producer.in_transaction() {
+            return self.release(output, lsn).await;
+        }
+        self.waiting = self.waiting.max(lsn);
+        if self.since.is_some_and(|t| t.elapsed() >= self.interval) {
+            self.commit(output).await?;
+        }
+        Ok(())
+    }
+
+    /// Exactly once: commits the open Kafka transaction with its offset
+    /// record, then releases what waited for it. Call only between source
+    /// transactions.
+    async fn commit(&mut self, output: &Output) -> Result<(), RunError> {
+        if !output.producer.in_transaction() {
+            return Ok(());
+        }
+        if let Some((commit_lsn, end_lsn)) = self.newest.take() {
+            let offset = Offset::new(&output.config.source.slot, commit_lsn, end_lsn, now_ms());
+            let f = offsets::write(&output.producer, &output.config, &offset)
+                .await
+                .map_err(RunError::Delivery)?;
+            output.acks.delivery(f).await.map_err(RunError::Delivery)?;
+            self.waiting = self.waiting.max(end_lsn);
+        }
+        output.producer.commit().await?;
+        metrics::counter!(observe::KAFKA_TRANSACTIONS).increment(1);
+        self.since = None;
+        let lsn = std::mem::take(&mut self.waiting);
+        self.release(output, lsn).await
+    }
+
+    /// Shutdown: a Kafka transaction holding part of a source transaction
+    /// is aborted (the slot replays that transaction); otherwise it is
+    /// committed. Returns the last released position.
+    async fn finish(&mut self, output: &Output, mid_transaction: bool) -> Result<u64, RunError> {
+        if self.exactly_once {
+            if mid_transaction {
+                output.producer.abort().await?;
+            } else {
+                self.commit(output).await?;
+            }
+        }
+        Ok(self.released)
+    }
+}
+
 /// Reads the replication stream until shutdown; returns the last position
 /// that may be confirmed once everything in flight is acknowledged.
+/// Transactions committed at or before `resume_commit` are already in Kafka
+/// (exactly-once mode) and are not produced again.
 async fn stream(
     output: &Output,
     repl: &mut ReplicationClient,
     sql: &Client,
     mut codecs: HashMap<u32, TableCodec>,
+    resume_commit: u64,
 ) -> Result<u64, RunError> {
     let mut confirmed = output.acks.confirmed();
     let mut failed = output.acks.failed();
     let shutdown = crate::shutdown_signal();
     tokio::pin!(shutdown);
     let mut txn: Option<Txn> = None;
-    let mut last_release = *confirmed.borrow();
+    let mut release = Release::new(output, *confirmed.borrow());
+    let mut skipped = 0u64;
     let src = &output.config.source;
     let heartbeat_every = Duration::from_secs(src.heartbeat_interval_secs.max(1));
     let mut heartbeat = tokio::time::interval(heartbeat_every);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut group_tick = tokio::time::interval(release.interval);
+    group_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stall = Stall::new(Duration::from_secs(src.stall_warning_secs));
     loop {
         tokio::select! {
             biased;
-            _ = &mut shutdown => return Ok(last_release),
+            _ = &mut shutdown => return release.finish(output, txn.is_some()).await,
+            _ = group_tick.tick(), if release.exactly_once => {
+                if txn.is_none() && release.since.is_some_and(|t| t.elapsed() >= release.interval) {
+                    release.commit(output).await?;
+                }
+            }
             _ = heartbeat.tick() => {
                 if src.heartbeat_interval_secs > 0 {
                     // A WAL record of our own, so the slot can advance past
@@ -862,13 +1007,21 @@ async fn stream(
                 }
             }
             ev = repl.recv() => {
-                let Some(ev) = ev? else { return Ok(last_release) };
+                let Some(ev) = ev? else { return release.finish(output, txn.is_some()).await };
                 match ev {
                     ReplicationEvent::Begin { final_lsn, xid, commit_time_micros } => {
+                        let skip = final_lsn.as_u64() <= resume_commit;
+                        if skip {
+                            skipped += 1;
+                        } else if skipped > 0 {
+                            tracing::info!(skipped, "exactly-once: skipped replayed transactions that Kafka already holds");
+                            skipped = 0;
+                        }
                         txn = Some(Txn {
                             commit_lsn: final_lsn.as_u64(),
                             xid,
                             ts_ms: pg_time_to_ms(commit_time_micros),
+                            skip,
                             ..Txn::default()
                         });
                     }
@@ -887,16 +1040,14 @@ async fn stream(
                                 .end(&t.id(), &counts, t.ts_ms)
                                 .map_err(|source| RunError::Encode { table: transaction_topic(&output.config), lsn: Lsn(t.commit_lsn), source })?;
                             output.emit_transaction(&k, &v).await?;
+                            release.completed(t.commit_lsn, end_lsn.as_u64());
                         }
-                        last_release = last_release.max(end_lsn.as_u64());
-                        output.acks.release(end_lsn.as_u64()).await.map_err(RunError::Delivery)?;
+                        release.boundary(output, end_lsn.as_u64()).await?;
                     }
                     ReplicationEvent::KeepAlive { wal_end, .. } => {
                         // Between transactions everything up to wal_end was seen.
-                        if txn.is_none() && wal_end.as_u64() > last_release {
-                            tracing::debug!(wal_end = %Lsn(wal_end.as_u64()), "release at keepalive");
-                            last_release = wal_end.as_u64();
-                            output.acks.release(last_release).await.map_err(RunError::Delivery)?;
+                        if txn.is_none() {
+                            release.boundary(output, wal_end.as_u64()).await?;
                         }
                     }
                     ReplicationEvent::XLogData { wal_start, data, .. } => {
@@ -906,14 +1057,12 @@ async fn stream(
                     }
                     ReplicationEvent::Message { transactional: false, lsn, .. } => {
                         // Outside a transaction everything before it was seen.
-                        if txn.is_none() && lsn.as_u64() > last_release {
-                            tracing::debug!(lsn = %Lsn(lsn.as_u64()), "release at message");
-                            last_release = lsn.as_u64();
-                            output.acks.release(last_release).await.map_err(RunError::Delivery)?;
+                        if txn.is_none() {
+                            release.boundary(output, lsn.as_u64()).await?;
                         }
                     }
                     ReplicationEvent::Message { .. } => {}
-                    ReplicationEvent::StoppedAt { .. } => return Ok(last_release),
+                    ReplicationEvent::StoppedAt { .. } => return release.finish(output, txn.is_some()).await,
                 }
             }
         }
@@ -980,29 +1129,13 @@ impl Stall {
 /// Marks key columns of a Relation's columns from the catalog's key.
 async fn relation_desc(sql: &Client, rel: &pgoutput::Relation) -> Result<TableDesc, RunError> {
     let keys = catalog::key_columns(sql, rel.oid).await?;
-    // Type names, for types without a dedicated mapping: one query.
-    let oids: Vec<u32> = rel.columns.iter().map(|c| c.type_oid).collect();
-    let names: Vec<String> = sql
-        .query(
-            "SELECT format_type(t.oid, NULL) FROM unnest($1::oid[]) WITH ORDINALITY AS t(oid, n) ORDER BY n",
-            &[&oids],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
-    let columns = rel
+    let names: Vec<String> = rel.columns.iter().map(|c| c.name.clone()).collect();
+    let types: Vec<(u32, i32)> = rel
         .columns
         .iter()
-        .zip(names)
-        .map(|(c, type_name)| ColumnDesc {
-            name: c.name.clone(),
-            type_oid: c.type_oid,
-            type_modifier: c.type_modifier,
-            type_name,
-            key: keys.contains(&c.name),
-        })
+        .map(|c| (c.type_oid, c.type_modifier))
         .collect();
+    let columns = catalog::columns(sql, &names, &types, &keys).await?;
     Ok(TableDesc {
         schema: rel.namespace.clone(),
         table: rel.name.clone(),
@@ -1038,8 +1171,10 @@ async fn on_message(
         }
         return Ok(());
     }
-    let Some(txn) = txn else {
-        return Ok(()); // Type and Origin messages carry nothing to produce.
+    // Type and Origin messages carry nothing to produce, and a skipped
+    // transaction is already in Kafka.
+    let Some(txn) = txn.filter(|t| !t.skip) else {
+        return Ok(());
     };
     let rels: Vec<u32> = match &msg {
         Message::Insert { relation, .. }

@@ -13,6 +13,7 @@ pub mod connector;
 pub mod encode;
 pub mod exit;
 pub mod observe;
+pub mod offsets;
 pub mod preflight;
 pub mod registry;
 pub mod secret;

@@ -17,6 +17,8 @@ pub const CONFIRMED_LSN: &str = "pgcdc_confirmed_lsn";
 pub const REPLICATION_LAG_BYTES: &str = "pgcdc_replication_lag_bytes";
 /// Messages Kafka refused after librdkafka's own retries.
 pub const KAFKA_DELIVERY_ERRORS: &str = "pgcdc_kafka_delivery_errors_total";
+/// Kafka transactions committed (exactly-once mode).
+pub const KAFKA_TRANSACTIONS: &str = "pgcdc_kafka_transactions_total";
 /// 1 while the confirmed LSN stands still as WAL grows.
 pub const SLOT_STALLED: &str = "pgcdc_slot_stalled";
 
@@ -38,6 +40,10 @@ fn describe() {
     metrics::describe_gauge!(CONFIRMED_LSN, "LSN confirmed to Postgres");
     metrics::describe_gauge!(REPLICATION_LAG_BYTES, "WAL bytes not yet confirmed");
     metrics::describe_counter!(KAFKA_DELIVERY_ERRORS, "Messages Kafka refused");
+    metrics::describe_counter!(
+        KAFKA_TRANSACTIONS,
+        "Kafka transactions committed (exactly-once mode)"
+    );
     metrics::describe_gauge!(
         SLOT_STALLED,
         "1 while the slot's confirmed LSN stands still as WAL grows"

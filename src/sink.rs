@@ -11,19 +11,25 @@
 //!   produced before it was acknowledged, in order; the watermark it
 //!   publishes only moves forward. A failed delivery stops it, and nothing
 //!   after the failure is ever released.
+//! - In exactly-once mode the [`Producer`] is transactional: every send
+//!   belongs to a Kafka transaction, and nothing of it is visible to
+//!   `read_committed` consumers before [`Producer::commit`] returns. The
+//!   connector releases positions only after that commit.
 //!
 //! ```text
 //!  send ──► DeliveryFuture ─┐
 //!  commit(end_lsn) ─────────┼─► bounded FIFO ──► await in order ──► watch<confirmed LSN>
 //! ```
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
-use rdkafka::ClientConfig;
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use tokio::sync::{mpsc, watch};
 
 use crate::config::KafkaConfig;
@@ -42,34 +48,197 @@ pub fn client_config(kafka: &KafkaConfig) -> ClientConfig {
 
 /// Producer queue bound when the user sets none: 64 MiB.
 pub const DEFAULT_QUEUE_KBYTES: &str = "65536";
+/// Kafka transaction timeout when the user sets none: 15 minutes, the
+/// broker's default `transaction.max.timeout.ms`, so a large source
+/// transaction can stream through one Kafka transaction.
+pub const DEFAULT_TRANSACTION_TIMEOUT_MS: &str = "900000";
+/// How long one attempt to initialize or commit a Kafka transaction waits.
+const TRANSACTION_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The changelog producer.
-pub fn producer(kafka: &KafkaConfig) -> Result<FutureProducer, KafkaError> {
-    let mut cc = client_config(kafka);
-    cc.set("enable.idempotence", "true")
-        .set("acks", "all")
-        // Java's partitioner: murmur2 of the key bytes; random for null keys.
-        .set("partitioner", "murmur2_random");
-    if !kafka.properties.0.contains_key("linger.ms") {
-        cc.set("linger.ms", "5");
+/// The changelog producer. With a transactional id, every send belongs to
+/// a Kafka transaction that [`Producer::commit`] ends.
+#[derive(Clone)]
+pub struct Producer {
+    inner: FutureProducer,
+    /// Whether a Kafka transaction is open; `None` when not transactional.
+    open: Option<Arc<Mutex<bool>>>,
+}
+
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer")
+            .field("transactional", &self.is_transactional())
+            .finish()
     }
-    // librdkafka would buffer up to 1 GiB by default; beyond this bound
-    // sends wait, which slows reading from the slot instead.
-    if !kafka
-        .properties
-        .0
-        .contains_key("queue.buffering.max.kbytes")
-    {
-        cc.set("queue.buffering.max.kbytes", DEFAULT_QUEUE_KBYTES);
+}
+
+impl Producer {
+    /// The idempotent producer; transactional when `transactional_id` is
+    /// given, after fencing any earlier producer with the same id.
+    pub async fn create(
+        kafka: &KafkaConfig,
+        transactional_id: Option<&str>,
+    ) -> Result<Producer, KafkaError> {
+        let mut cc = client_config(kafka);
+        cc.set("enable.idempotence", "true")
+            .set("acks", "all")
+            // Java's partitioner: murmur2 of the key bytes; random for null keys.
+            .set("partitioner", "murmur2_random");
+        if !kafka.properties.0.contains_key("linger.ms") {
+            cc.set("linger.ms", "5");
+        }
+        // librdkafka would buffer up to 1 GiB by default; beyond this bound
+        // sends wait, which slows reading from the slot instead.
+        if !kafka
+            .properties
+            .0
+            .contains_key("queue.buffering.max.kbytes")
+        {
+            cc.set("queue.buffering.max.kbytes", DEFAULT_QUEUE_KBYTES);
+        }
+        let Some(id) = transactional_id else {
+            return Ok(Producer {
+                inner: cc.create()?,
+                open: None,
+            });
+        };
+        cc.set("transactional.id", id);
+        if !kafka.properties.0.contains_key("transaction.timeout.ms") {
+            cc.set("transaction.timeout.ms", DEFAULT_TRANSACTION_TIMEOUT_MS);
+        }
+        let inner: FutureProducer = cc.create()?;
+        // Fences an earlier instance and aborts what it left open.
+        let p = inner.clone();
+        blocking(move || p.init_transactions(TRANSACTION_CALL_TIMEOUT)).await?;
+        Ok(Producer {
+            inner,
+            open: Some(Arc::new(Mutex::new(false))),
+        })
     }
-    cc.create()
+
+    pub fn is_transactional(&self) -> bool {
+        self.open.is_some()
+    }
+
+    /// Whether a Kafka transaction is open (always false when not
+    /// transactional).
+    pub fn in_transaction(&self) -> bool {
+        self.open
+            .as_ref()
+            .is_some_and(|o| *o.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Enqueues a record, waiting while librdkafka's queue is full.
+    pub async fn send(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: Option<&[u8]>,
+    ) -> Result<DeliveryFuture, KafkaError> {
+        if let Some(open) = &self.open {
+            let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
+            if !*open {
+                self.inner.begin_transaction()?;
+                *open = true;
+            }
+        }
+        send(&self.inner, topic, key, payload).await
+    }
+
+    /// Commits the open Kafka transaction, if any: its records become
+    /// visible to `read_committed` consumers, all at once. Returns whether
+    /// a transaction was committed. A commit that fails for good aborts
+    /// the transaction and returns the error; nothing of it is visible.
+    pub async fn commit(&self) -> Result<bool, KafkaError> {
+        if !self.in_transaction() {
+            return Ok(false);
+        }
+        let mut delay = Duration::from_millis(100);
+        loop {
+            let p = self.inner.clone();
+            match blocking(move || p.commit_transaction(TRANSACTION_CALL_TIMEOUT)).await {
+                Ok(()) => break,
+                Err(e) if is_retriable(&e) => {
+                    tracing::warn!(error = %e, "Kafka transaction commit failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => {
+                    if txn_requires_abort(&e) {
+                        let _ = self.abort().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.set_open(false);
+        Ok(true)
+    }
+
+    /// Aborts the open Kafka transaction, if any.
+    pub async fn abort(&self) -> Result<(), KafkaError> {
+        if !self.in_transaction() {
+            return Ok(());
+        }
+        let p = self.inner.clone();
+        blocking(move || p.abort_transaction(TRANSACTION_CALL_TIMEOUT)).await?;
+        self.set_open(false);
+        Ok(())
+    }
+
+    fn set_open(&self, value: bool) {
+        if let Some(open) = &self.open {
+            *open.lock().unwrap_or_else(|e| e.into_inner()) = value;
+        }
+    }
+}
+
+fn is_retriable(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(t) if t.is_retriable())
+}
+
+fn txn_requires_abort(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(t) if t.txn_requires_abort())
+}
+
+/// Runs a blocking librdkafka call (transactions, metadata) off the
+/// runtime's worker threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, KafkaError> + Send + 'static,
+) -> Result<T, KafkaError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| KafkaError::Canceled)?
 }
 
 /// Creates the topics that do not exist yet, with the configured
-/// partitions, replication factor and cleanup policy.
+/// partitions, replication factor and cleanup policy. Existing topics are
+/// left as they are, so brokers without topic creation (or users who
+/// create topics themselves) work.
 pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[String]) -> Result<(), KafkaError> {
     let admin: AdminClient<DefaultClientContext> = client_config(kafka).create()?;
-    let new: Vec<NewTopic<'_>> = topics
+    let missing: Vec<String> = {
+        let wanted = topics.to_vec();
+        let probe: BaseConsumer = client_config(kafka).create()?;
+        blocking(move || {
+            let md = probe.fetch_metadata(None, Duration::from_secs(30))?;
+            let present: std::collections::HashSet<&str> = md
+                .topics()
+                .iter()
+                .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+                .map(|t| t.name())
+                .collect();
+            Ok(wanted
+                .into_iter()
+                .filter(|t| !present.contains(t.as_str()))
+                .collect())
+        })
+        .await?
+    };
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let new: Vec<NewTopic<'_>> = missing
         .iter()
         .map(|t| {
             NewTopic::new(
@@ -92,6 +261,66 @@ pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[String]) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// The value of the latest record with `key` in partition 0 of a
+/// single-partition compacted topic, reading it from the beginning with
+/// `read_committed` (records of aborted Kafka transactions are invisible).
+pub async fn latest_by_key(
+    kafka: &KafkaConfig,
+    topic: &str,
+    key: &str,
+) -> Result<Option<Vec<u8>>, String> {
+    let (kafka, topic, key) = (kafka.clone(), topic.to_string(), key.to_string());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = client_config(&kafka)
+            .set("group.id", "pgcdc-state-reader")
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .create()
+            .map_err(|e| e.to_string())?;
+        let (low, high) = consumer
+            .fetch_watermarks(&topic, 0, Duration::from_secs(10))
+            .map_err(|e| format!("{topic}: {e}"))?;
+        if high <= low {
+            return Ok(None);
+        }
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&topic, 0, Offset::Beginning)
+            .map_err(|e| e.to_string())?;
+        consumer.assign(&tpl).map_err(|e| e.to_string())?;
+        let mut found = None;
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if std::time::Instant::now() > deadline {
+                return Err(format!("{topic}: could not read up to offset {high}"));
+            }
+            match consumer.poll(Duration::from_millis(200)) {
+                Some(Ok(m)) => {
+                    if m.key() == Some(key.as_bytes()) {
+                        found = m.payload().map(<[u8]>::to_vec);
+                    }
+                    if m.offset() + 1 >= high {
+                        return Ok(found);
+                    }
+                }
+                Some(Err(e)) => return Err(format!("{topic}: {e}")),
+                // Under read_committed the last offsets may be control
+                // records that are never delivered: the position tells.
+                None => {
+                    let at = consumer.position().ok().and_then(|p| {
+                        p.find_partition(&topic, 0)
+                            .and_then(|e| e.offset().to_raw())
+                    });
+                    if at.is_some_and(|o| o >= high) {
+                        return Ok(found);
+                    }
+                }
+            }
+        }
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// Kafka's murmur2 (as `org.apache.kafka.common.utils.Utils.murmur2`).
@@ -141,7 +370,7 @@ pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
 }
 
 /// Enqueues a record, waiting while librdkafka's queue is full.
-pub async fn send(
+async fn send(
     producer: &FutureProducer,
     topic: &str,
     key: Option<&[u8]>,

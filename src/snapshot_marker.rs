@@ -15,8 +15,6 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::producer::FutureProducer;
-use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Config, KafkaConfig};
@@ -64,19 +62,15 @@ pub async fn ensure_topic(config: &Config) -> Result<(), rdkafka::error::KafkaEr
 
 /// Writes a marker and waits for Kafka to acknowledge it.
 pub async fn write(
-    producer: &FutureProducer,
+    producer: &sink::Producer,
     config: &Config,
     marker: &Marker,
 ) -> Result<(), String> {
     let payload = serde_json::to_vec(marker).map_err(|e| e.to_string())?;
-    let f = sink::send(
-        producer,
-        &topic(config),
-        Some(marker.slot.as_bytes()),
-        Some(&payload),
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let f = producer
+        .send(&topic(config), Some(marker.slot.as_bytes()), Some(&payload))
+        .await
+        .map_err(|e| e.to_string())?;
     match f.await {
         Ok(Ok(_)) => Ok(()),
         Ok(Err((e, _))) => Err(format!("snapshot marker not written: {e}")),
@@ -90,49 +84,10 @@ pub async fn latest(
     topic: &str,
     slot: &str,
 ) -> Result<Option<Marker>, String> {
-    let (kafka, topic, slot) = (kafka.clone(), topic.to_string(), slot.to_string());
-    tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = sink::client_config(&kafka)
-            .set("group.id", "pgcdc-snapshot-markers")
-            .set("enable.auto.commit", "false")
-            .create()
-            .map_err(|e| e.to_string())?;
-        let (low, high) = consumer
-            .fetch_watermarks(&topic, 0, Duration::from_secs(10))
-            .map_err(|e| format!("{topic}: {e}"))?;
-        if high <= low {
-            return Ok(None);
-        }
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&topic, 0, Offset::Beginning)
-            .map_err(|e| e.to_string())?;
-        consumer.assign(&tpl).map_err(|e| e.to_string())?;
-        let mut found = None;
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        loop {
-            if std::time::Instant::now() > deadline {
-                return Err(format!("{topic}: could not read up to offset {high}"));
-            }
-            match consumer.poll(Duration::from_millis(200)) {
-                Some(Ok(m)) => {
-                    if m.key() == Some(slot.as_bytes()) {
-                        found = m
-                            .payload()
-                            .map(serde_json::from_slice::<Marker>)
-                            .transpose()
-                            .map_err(|e| format!("{topic}@{}: {e}", m.offset()))?;
-                    }
-                    if m.offset() + 1 >= high {
-                        return Ok(found);
-                    }
-                }
-                Some(Err(e)) => return Err(format!("{topic}: {e}")),
-                None => {}
-            }
-        }
-    })
-    .await
-    .map_err(|e| e.to_string())?
+    sink::latest_by_key(kafka, topic, slot)
+        .await?
+        .map(|v| serde_json::from_slice::<Marker>(&v).map_err(|e| format!("{topic}: {e}")))
+        .transpose()
 }
 
 /// End offsets of every partition of `topics`.

@@ -5,6 +5,7 @@ mod support;
 
 mod check;
 mod connector;
+mod exactly_once;
 mod registry;
 mod slot;
 mod types;

@@ -10,6 +10,7 @@ use crate::support::{self, ConfigFile, ConnectorProcess, Decoder, TestDb};
 const SCHEMA: &str = "
 CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy');
 CREATE DOMAIN public.positive_int AS int CHECK (VALUE > 0);
+CREATE DOMAIN public.price AS numeric(10,2);
 CREATE TABLE public.everything (
     id bigint PRIMARY KEY,
     i2 smallint, i4 int, i8 bigint, f4 real, f8 double precision,
@@ -18,7 +19,7 @@ CREATE TABLE public.everything (
     d date, tm time, ttz timetz, ts timestamp, tstz timestamptz, iv interval,
     j json, jb jsonb, x xml, ip inet, net cidr, mac macaddr, bits bit(4), vbits varbit,
     arr int[], arr2 text[], e public.mood, dom public.positive_int, r int4range, tsr tstzrange,
-    pt point, ln line, bx box, pg polygon, ci circle
+    pt point, ln line, bx box, pg polygon, ci circle, ea public.mood[], dp public.price
 );";
 
 const ROW_TYPICAL: &str = "INSERT INTO public.everything VALUES (1,
@@ -32,20 +33,33 @@ const ROW_TYPICAL: &str = "INSERT INTO public.everything VALUES (1,
     '10.0.0.0/8', '08:00:2b:01:02:03', B'1010', B'10101',
     '{1,NULL,3}', '{{a,b},{NULL,\"d e\"}}', 'happy', 42, '[1,10)',
     '[2024-01-01 00:00+00,2024-02-01 00:00+00)',
-    '(1.5,2)', '{1,-1,0}', '(1,1),(0,0)', '((0,0),(1,0),(1,1))', '<(0,0),2>')";
+    '(1.5,2)', '{1,-1,0}', '(1,1),(0,0)', '((0,0),(1,0),(1,1))', '<(0,0),2>',
+    '{ok,NULL,happy}', 19.99)";
 
 const ROW_EDGES: &str =
-    "INSERT INTO public.everything (id, f4, f8, n, n_scaled, d, ts, tstz, t, arr, tm)
+    "INSERT INTO public.everything (id, f4, f8, n, n_scaled, d, ts, tstz, t, arr, tm, m, iv, pt)
     VALUES (2, 'NaN', '-Infinity', 'NaN', 'NaN', '0044-03-15 BC', 'infinity', '-infinity',
-            '', '{}', '24:00:00')";
+            '', '{}', '24:00:00', '-92233720368547758.08', '-1 years 2 days -00:00:01.5',
+            '(-1e-300,-Infinity)')";
 
 const ROW_NULLS: &str = "INSERT INTO public.everything (id) VALUES (3)";
 
 /// Columns compared as Postgres's exact text.
 const TEXT_COLUMNS: &[&str] = &[
-    "m", "t", "vc", "c", "ttz", "iv", "j", "jb", "x", "ip", "net", "mac", "bits", "vbits",
+    "t", "vc", "c", "ttz", "iv", "j", "jb", "x", "ip", "net", "mac", "bits", "vbits",
     // A two-dimensional array travels as its exact text.
-    "arr2", "e", "dom", "r", "tsr", "pt", "ln", "bx", "pg", "ci",
+    "arr2", "e", "r", "tsr", "ln", "bx", "pg", "ci",
+];
+
+/// Semantic names the value schema must carry (Debezium's, where it has
+/// one), with the enum's labels.
+const SCHEMA_MARKS: &[&str] = &[
+    r#""connect.name":"io.debezium.data.Enum""#,
+    r#""allowed":"sad,ok,happy""#,
+    r#""connect.name":"io.debezium.time.Interval""#,
+    r#""connect.name":"io.debezium.data.Xml""#,
+    r#""connect.name":"io.debezium.data.geometry.Point""#,
+    r#""connect.name":"org.apache.kafka.connect.data.Decimal""#,
 ];
 
 fn field<'a>(v: &'a Value, name: &str) -> &'a Value {
@@ -171,6 +185,79 @@ async fn every_type_family_round_trips_without_loss() {
             (Value::Null, None) => {}
             other => panic!("arr {other:?}"),
         }
+        let typed = client
+            .query_one(
+                "SELECT dom, m::numeric::text, pt[0], pt[1], ea::text[], dp::text
+                 FROM public.everything WHERE id = $1",
+                &[&id],
+            )
+            .await
+            .expect("typed row");
+        // A domain travels as its base type.
+        match (field(after, "dom"), typed.get::<_, Option<i32>>(0)) {
+            (Value::Int(v), Some(e)) => assert_eq!(*v, e, "dom"),
+            (Value::Null, None) => {}
+            other => panic!("dom {other:?}"),
+        }
+        match (field(after, "dp"), typed.get::<_, Option<String>>(5)) {
+            (Value::Decimal(d), Some(e)) => {
+                let bytes: Vec<u8> = d.try_into().expect("decimal bytes");
+                assert_eq!(pgcdc::tail::format_decimal(&bytes, 2), e, "dp");
+            }
+            (Value::Null, None) => {}
+            other => panic!("dp {other:?}"),
+        }
+        // money as decimal(19,2).
+        match (field(after, "m"), typed.get::<_, Option<String>>(1)) {
+            (Value::Decimal(d), Some(e)) => {
+                let bytes: Vec<u8> = d.try_into().expect("decimal bytes");
+                assert_eq!(pgcdc::tail::format_decimal(&bytes, 2), e, "m");
+            }
+            (Value::Null, None) => {}
+            other => panic!("m {other:?}"),
+        }
+        // point as Debezium's Point {x, y, wkb, srid}.
+        match (
+            field(after, "pt"),
+            typed.get::<_, Option<f64>>(2),
+            typed.get::<_, Option<f64>>(3),
+        ) {
+            (Value::Record(parts), Some(x), Some(y)) => {
+                assert_eq!(parts[0].1, Value::Double(x), "pt.x");
+                assert_eq!(parts[1].1, Value::Double(y), "pt.y");
+                let Value::Union(_, wkb) = &parts[2].1 else {
+                    panic!("wkb {parts:?}")
+                };
+                let Value::Bytes(wkb) = wkb.as_ref() else {
+                    panic!("wkb {wkb:?}")
+                };
+                assert_eq!(wkb.len(), 21, "wkb of a point");
+                assert_eq!(&wkb[5..13], &x.to_le_bytes(), "wkb x");
+            }
+            (Value::Null, None, None) => {}
+            other => panic!("pt {other:?}"),
+        }
+        // An array of enums: an Avro array of nullable labels.
+        match (
+            field(after, "ea"),
+            typed.get::<_, Option<Vec<Option<String>>>>(4),
+        ) {
+            (Value::Array(items), Some(e)) => {
+                let got: Vec<Option<String>> = items
+                    .iter()
+                    .map(|i| match i {
+                        Value::Union(_, v) => match v.as_ref() {
+                            Value::String(s) => Some(s.clone()),
+                            _ => None,
+                        },
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(got, e, "ea");
+            }
+            (Value::Null, None) => {}
+            other => panic!("ea {other:?}"),
+        }
         match (field(after, "i8"), row.get::<_, Option<i64>>(2)) {
             (Value::Long(v), Some(e)) => assert_eq!(*v, e),
             (Value::Null, None) => {}
@@ -256,6 +343,19 @@ async fn every_type_family_round_trips_without_loss() {
             (Value::Null, None) => {}
             other => panic!("tstz {other:?}"),
         }
+    }
+
+    let schema = reqwest::get(format!(
+        "{}/subjects/{topic}-value/versions/latest/schema",
+        stack.registry_url
+    ))
+    .await
+    .expect("schema")
+    .text()
+    .await
+    .expect("schema text");
+    for mark in SCHEMA_MARKS {
+        assert!(schema.contains(mark), "{mark} missing from {schema}");
     }
 
     // A standard Avro reader in another language decodes every record.

@@ -30,12 +30,29 @@ use types::{column_schema, convert, ConvertError, Input, Kind, Layout, Names};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ColumnDesc {
     pub name: String,
+    /// The type, with domains resolved to their base type.
     pub type_oid: u32,
     pub type_modifier: i32,
-    /// Postgres type name, kept for types without a dedicated mapping.
+    /// Postgres type name as declared (a domain's own name), kept for
+    /// types without a dedicated mapping.
     pub type_name: String,
+    /// Labels of an enum type, or of the element of an array of enums.
+    pub enum_labels: Option<Vec<String>>,
     /// Part of the Kafka key.
     pub key: bool,
+}
+
+impl ColumnDesc {
+    /// How the column travels in Avro.
+    pub fn kind(&self) -> Kind {
+        match &self.enum_labels {
+            Some(labels) if self.type_name.ends_with("[]") => {
+                Kind::Array(Box::new(Kind::Enum(labels.clone())))
+            }
+            Some(labels) => Kind::Enum(labels.clone()),
+            None => Kind::of(self.type_oid, self.type_modifier, &self.type_name),
+        }
+    }
 }
 
 /// A captured table's shape.
@@ -190,11 +207,7 @@ impl TableCodec {
             .map(avro_name)
             .collect::<Vec<_>>()
             .join(".");
-        let kinds: Vec<Kind> = desc
-            .columns
-            .iter()
-            .map(|c| Kind::of(c.type_oid, c.type_modifier, &c.type_name))
-            .collect();
+        let kinds: Vec<Kind> = desc.columns.iter().map(ColumnDesc::kind).collect();
         let layouts: Vec<Layout> = kinds
             .iter()
             .map(|k| Layout {
@@ -590,6 +603,7 @@ mod tests {
             type_oid: oid,
             type_modifier: typmod,
             type_name: String::new(),
+            enum_labels: None,
             key,
         };
         TableDesc {

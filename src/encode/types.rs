@@ -10,8 +10,9 @@
 //! not parse as its type is an error naming the type, never a guess.
 //!
 //! Sessions that produce the text run with `DateStyle=ISO`,
-//! `TimeZone=UTC`, `IntervalStyle=postgres` and `extra_float_digits=3`, the
-//! formats parsed here ([`SESSION_SETTINGS`]).
+//! `TimeZone=UTC`, `IntervalStyle=iso_8601`, `extra_float_digits=3` and
+//! `lc_monetary=C`, the formats parsed here ([`SESSION_SETTINGS`]).
+//! Domains are carried as their base type (the catalog resolves them).
 
 use apache_avro::types::Value;
 use serde_json::{json, Value as Json};
@@ -20,8 +21,11 @@ use serde_json::{json, Value as Json};
 pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     ("DateStyle", "ISO"),
     ("TimeZone", "UTC"),
-    ("IntervalStyle", "postgres"),
+    // ISO 8601 durations, as Debezium's `io.debezium.time.Interval`.
+    ("IntervalStyle", "iso_8601"),
     ("extra_float_digits", "3"),
+    // `$1,234.56`: a fixed currency format, whatever the server's locale.
+    ("lc_monetary", "C"),
 ];
 
 /// How a Postgres type is carried in Avro.
@@ -48,6 +52,16 @@ pub enum Kind {
     Timestamp,
     TimestampTz,
     Json,
+    /// `xml`, as its text (`io.debezium.data.Xml`).
+    Xml,
+    /// `interval`, as an ISO 8601 duration (`io.debezium.time.Interval`).
+    Interval,
+    /// `money`, as `decimal(19,2)` (the `lc_monetary=C` fraction digits).
+    Money,
+    /// `point`, as Debezium's `io.debezium.data.geometry.Point`.
+    Point,
+    /// An enum, as its label (`io.debezium.data.Enum`, labels listed).
+    Enum(Vec<String>),
     /// A one-dimensional array with default bounds, as an Avro array of
     /// nullable elements; other arrays travel as their exact text.
     Array(Box<Kind>),
@@ -83,6 +97,10 @@ impl Kind {
             1114 => Kind::Timestamp,
             1184 => Kind::TimestampTz,
             114 | 3802 => Kind::Json,
+            142 => Kind::Xml,
+            1186 => Kind::Interval,
+            790 => Kind::Money,
+            600 => Kind::Point,
             _ => match array_element(oid) {
                 // Array typmods apply to the elements (numeric(p,s)[]).
                 Some(elem) => Kind::Array(Box::new(Kind::of(elem, typmod, ""))),
@@ -128,6 +146,10 @@ fn array_element(oid: u32) -> Option<u32> {
         1185 => 1184, // timestamptz[]
         199 => 114,   // json[]
         3807 => 3802, // jsonb[]
+        143 => 142,   // xml[]
+        1187 => 1186, // interval[]
+        791 => 790,   // money[]
+        1017 => 600,  // point[]
         _ => return None,
     })
 }
@@ -204,6 +226,10 @@ impl Names {
 }
 
 pub const VARIABLE_DECIMAL: &str = "io.debezium.data.VariableScaleDecimal";
+pub const POINT: &str = "io.debezium.data.geometry.Point";
+/// `money` values: cents in an `int8`, so 19 digits, 2 after the point.
+const MONEY_PRECISION: u32 = 19;
+const MONEY_SCALE: u32 = 2;
 pub const UNCHANGED: &str = "io.pgcdc.data.Unchanged";
 pub const UNCHANGED_SYMBOL: &str = "UNCHANGED_TOAST";
 
@@ -246,6 +272,34 @@ pub fn base_schema(kind: &Kind, names: &mut Names) -> Json {
         }),
         Kind::TimestampTz => json!({"type": "long", "logicalType": "timestamp-micros"}),
         Kind::Json => json!({"type": "string", "connect.name": "io.debezium.data.Json"}),
+        Kind::Xml => json!({"type": "string", "connect.name": "io.debezium.data.Xml"}),
+        Kind::Interval => {
+            json!({"type": "string", "connect.name": "io.debezium.time.Interval"})
+        }
+        Kind::Money => base_schema(
+            &Kind::Decimal {
+                precision: MONEY_PRECISION,
+                scale: MONEY_SCALE,
+            },
+            names,
+        ),
+        Kind::Point => names.named(
+            POINT,
+            json!({
+                "type": "record", "name": "Point", "namespace": "io.debezium.data.geometry",
+                "fields": [
+                    {"name": "x", "type": "double"},
+                    {"name": "y", "type": "double"},
+                    {"name": "wkb", "type": ["null", "bytes"], "default": null},
+                    {"name": "srid", "type": ["null", "int"], "default": null}
+                ],
+                "connect.name": POINT
+            }),
+        ),
+        Kind::Enum(labels) => json!({
+            "type": "string", "connect.name": "io.debezium.data.Enum", "connect.version": 1,
+            "connect.parameters": {"allowed": labels.join(",")}
+        }),
         Kind::Array(elem) => json!({
             "type": "array",
             "items": column_schema(elem, &element_layout(elem), names)
@@ -411,7 +465,40 @@ fn parse(kind: &Kind, text: &str) -> Option<Value> {
                 ("value".into(), Value::Bytes(twos_complement(&unscaled)?)),
             ])
         }
-        Kind::Text | Kind::Json | Kind::Other(_) => Value::String(text.to_string()),
+        // An enum label added after the schema was built (ALTER TYPE ...
+        // ADD VALUE sends no Relation message) is still carried as is.
+        Kind::Text | Kind::Json | Kind::Xml | Kind::Interval | Kind::Enum(_) | Kind::Other(_) => {
+            Value::String(text.to_string())
+        }
+        Kind::Money => {
+            // `-$1,234.56` under lc_monetary=C.
+            let (neg, rest) = match text.strip_prefix('-') {
+                Some(r) => (true, r),
+                None => (false, text),
+            };
+            let digits = rest.strip_prefix('$')?.replace(',', "");
+            let plain = if neg { format!("-{digits}") } else { digits };
+            return parse(
+                &Kind::Decimal {
+                    precision: MONEY_PRECISION,
+                    scale: MONEY_SCALE,
+                },
+                &plain,
+            );
+        }
+        Kind::Point => {
+            let (x, y) = text.strip_prefix('(')?.strip_suffix(')')?.split_once(',')?;
+            let (x, y): (f64, f64) = (x.parse().ok()?, y.parse().ok()?);
+            Value::Record(vec![
+                ("x".into(), Value::Double(x)),
+                ("y".into(), Value::Double(y)),
+                (
+                    "wkb".into(),
+                    Value::Union(1, Box::new(Value::Bytes(point_wkb(x, y)))),
+                ),
+                ("srid".into(), Value::Union(0, Box::new(Value::Null))),
+            ])
+        }
         Kind::Array(elem) => {
             let layout = element_layout(elem);
             let mut items = Vec::new();
@@ -431,6 +518,16 @@ fn parse(kind: &Kind, text: &str) -> Option<Value> {
         Kind::Timestamp => Value::LocalTimestampMicros(parse_timestamp(text, false)?),
         Kind::TimestampTz => Value::TimestampMicros(parse_timestamp(text, true)?),
     })
+}
+
+/// A point as OGC well-known binary (little-endian), as Debezium writes it.
+fn point_wkb(x: f64, y: f64) -> Vec<u8> {
+    let mut wkb = Vec::with_capacity(21);
+    wkb.push(1);
+    wkb.extend_from_slice(&1u32.to_le_bytes());
+    wkb.extend_from_slice(&x.to_le_bytes());
+    wkb.extend_from_slice(&y.to_le_bytes());
+    wkb
 }
 
 /// `-12.340` → (`-12340`, 3): the digits without the point, and the scale.
@@ -752,6 +849,41 @@ mod tests {
             inner(conv(&Kind::Other("inet".into()), "10.0.0.1/8")),
             Value::String("10.0.0.1/8".into())
         );
+    }
+
+    #[test]
+    fn money_point_interval_and_enum_have_dedicated_mappings() {
+        assert_eq!(Kind::of(790, -1, "money"), Kind::Money);
+        assert_eq!(Kind::of(1186, -1, "interval"), Kind::Interval);
+        assert_eq!(Kind::of(600, -1, "point"), Kind::Point);
+        assert_eq!(Kind::of(142, -1, "xml"), Kind::Xml);
+        let money = |text: &str| match inner(conv(&Kind::Money, text)) {
+            Value::Decimal(d) => {
+                let bytes: Vec<u8> = (&d).try_into().expect("bytes");
+                crate::tail::format_decimal(&bytes, 2)
+            }
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(money("$12.34"), "12.34");
+        assert_eq!(
+            money("-$92,233,720,368,547,758.08"),
+            "-92233720368547758.08"
+        );
+        assert!(conv(&Kind::Money, "12.34").is_err(), "not lc_monetary=C");
+        let Value::Record(p) = inner(conv(&Kind::Point, "(1.5,-2e-300)")) else {
+            panic!("point")
+        };
+        assert_eq!(p[0].1, Value::Double(1.5));
+        assert_eq!(p[1].1, Value::Double(-2e-300));
+        assert!(conv(&Kind::Point, "(1,2").is_err());
+        assert_eq!(
+            inner(conv(&Kind::Interval, "P1Y-2M3DT-4H")),
+            Value::String("P1Y-2M3DT-4H".into())
+        );
+        let mood = Kind::Enum(vec!["sad".into(), "ok".into()]);
+        let schema = base_schema(&mood, &mut Names::default());
+        assert_eq!(schema["connect.parameters"]["allowed"], "sad,ok");
+        assert_eq!(inner(conv(&mood, "ok")), Value::String("ok".into()));
     }
 
     #[test]

@@ -29,27 +29,18 @@ pub async fn describe(
     };
     let oid: u32 = row.get(0);
     let keys = key_columns(client, oid).await?;
-    let columns = client
+    let attributes = client
         .query(
-            "SELECT a.attname::text, a.atttypid, a.atttypmod, format_type(a.atttypid, NULL)
+            "SELECT a.attname::text, a.atttypid, a.atttypmod
              FROM pg_attribute a
              WHERE a.attrelid = $1 AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
              ORDER BY a.attnum",
             &[&oid],
         )
-        .await?
-        .iter()
-        .map(|r| {
-            let name: String = r.get(0);
-            ColumnDesc {
-                key: keys.contains(&name),
-                name,
-                type_oid: r.get(1),
-                type_modifier: r.get(2),
-                type_name: r.get(3),
-            }
-        })
-        .collect();
+        .await?;
+    let names: Vec<String> = attributes.iter().map(|r| r.get(0)).collect();
+    let types: Vec<(u32, i32)> = attributes.iter().map(|r| (r.get(1), r.get(2))).collect();
+    let columns = columns(client, &names, &types, &keys).await?;
     Ok(Some((
         oid,
         TableDesc {
@@ -58,6 +49,49 @@ pub async fn describe(
             columns,
         },
     )))
+}
+
+/// Column descriptions from names and (type oid, typmod) pairs: domains
+/// resolved to their base type (and its typmod), enum labels looked up
+/// (for arrays of enums, the element's), all in one query.
+pub async fn columns(
+    client: &Client,
+    names: &[String],
+    types: &[(u32, i32)],
+    keys: &[String],
+) -> Result<Vec<ColumnDesc>, tokio_postgres::Error> {
+    let oids: Vec<u32> = types.iter().map(|t| t.0).collect();
+    let typmods: Vec<i32> = types.iter().map(|t| t.1).collect();
+    let rows = client
+        .query(
+            "WITH RECURSIVE c AS (
+                 SELECT * FROM unnest($1::oid[], $2::int4[]) WITH ORDINALITY AS c(oid, typmod, n)),
+             b AS (
+                 SELECT n, oid, typmod, 0 AS depth FROM c
+                 UNION ALL
+                 SELECT b.n, t.typbasetype, t.typtypmod, b.depth + 1
+                 FROM b JOIN pg_type t ON t.oid = b.oid WHERE t.typtype = 'd')
+             SELECT DISTINCT ON (b.n) b.oid, b.typmod, format_type(c.oid, NULL),
+                 (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder)
+                  FROM pg_enum e
+                  WHERE e.enumtypid = CASE WHEN t.typcategory = 'A' THEN t.typelem ELSE b.oid END)
+             FROM b JOIN c ON c.n = b.n JOIN pg_type t ON t.oid = b.oid
+             ORDER BY b.n, b.depth DESC",
+            &[&oids, &typmods],
+        )
+        .await?;
+    Ok(names
+        .iter()
+        .zip(rows)
+        .map(|(name, r)| ColumnDesc {
+            key: keys.contains(name),
+            name: name.clone(),
+            type_oid: r.get(0),
+            type_modifier: r.get(1),
+            type_name: r.get(2),
+            enum_labels: r.get(3),
+        })
+        .collect())
 }
 
 /// Names of the key columns of a relation (see the module guarantee).

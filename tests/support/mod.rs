@@ -482,15 +482,27 @@ pub async fn read_topic_until(
     limit: std::time::Duration,
     done: impl Fn(&[Record]) -> bool + Send + 'static,
 ) -> Vec<Record> {
+    read_topic_at(&stack.brokers, topic, limit, done).await
+}
+
+/// [`read_topic_until`] on the brokers given, as a `read_committed`
+/// consumer.
+pub async fn read_topic_at(
+    brokers: &str,
+    topic: &str,
+    limit: std::time::Duration,
+    done: impl Fn(&[Record]) -> bool + Send + 'static,
+) -> Vec<Record> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::{Message, Offset, TopicPartitionList};
-    let brokers = stack.brokers.clone();
+    let brokers = brokers.to_string();
     let topic = topic.to_string();
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
             .set("group.id", unique("reader"))
             .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
             .create()
             .expect("consumer");
         let deadline = std::time::Instant::now() + limit;
