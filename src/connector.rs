@@ -549,53 +549,27 @@ async fn plan_table(
         .map(|c| slot::quote_ident(&c.name))
         .collect::<Vec<_>>()
         .join(", ");
-    let int_key: Vec<&ColumnDesc> = desc.columns.iter().filter(|c| c.key).collect();
+    let estimate: f64 = client
+        .query_one(
+            "SELECT greatest(reltuples, 0)::float8 FROM pg_class WHERE oid = $1",
+            &[&oid],
+        )
+        .await?
+        .get(0);
     let chunk_rows = output.config.source.snapshot.chunk_rows as f64;
+    let n = (estimate / chunk_rows).ceil().max(1.0) as i64;
+    let qualified = format!("{}.{}", slot::quote_ident(schema), slot::quote_ident(name));
     let mut chunks = vec![None];
-    if let [key] = int_key.as_slice() {
-        if matches!(key.type_oid, 20 | 21 | 23) {
-            let estimate: f64 = client
-                .query_one(
-                    "SELECT greatest(reltuples, 0)::float8 FROM pg_class WHERE oid = $1",
-                    &[&oid],
-                )
-                .await?
-                .get(0);
-            if estimate > chunk_rows {
-                let k = slot::quote_ident(&key.name);
-                let bounds = client
-                    .query_one(
-                        &format!(
-                            "SELECT min({k})::int8, max({k})::int8 FROM {}.{}",
-                            slot::quote_ident(schema),
-                            slot::quote_ident(name)
-                        ),
-                        &[],
-                    )
-                    .await?;
-                if let (Some(lo), Some(hi)) = (
-                    bounds.get::<_, Option<i64>>(0),
-                    bounds.get::<_, Option<i64>>(1),
-                ) {
-                    let n = (estimate / chunk_rows).ceil().max(1.0) as i64;
-                    let width = ((hi as i128 - lo as i128) / n as i128 + 1) as i64;
-                    chunks = (0..n)
-                        .map(|i| {
-                            let start = lo.saturating_add(width.saturating_mul(i));
-                            Some(if i + 1 == n {
-                                format!("{k} >= {start}")
-                            } else {
-                                format!("{k} >= {start} AND {k} < {}", start.saturating_add(width))
-                            })
-                        })
-                        .collect();
-                    if let Some(first) = chunks.first_mut() {
-                        // Keys below the first bound cannot exist, but a
-                        // chunk boundary must never drop a row.
-                        *first = Some(format!("{k} < {}", lo.saturating_add(width)));
-                    }
-                }
+    if n > 1 {
+        let int_key: Vec<&ColumnDesc> = desc.columns.iter().filter(|c| c.key).collect();
+        chunks = match int_key.as_slice() {
+            [key] if matches!(key.type_oid, 20 | 21 | 23) => {
+                key_chunks(&client, &qualified, &slot::quote_ident(&key.name), n).await?
             }
+            _ => Vec::new(),
+        };
+        if chunks.is_empty() {
+            chunks = block_chunks(&client, oid, n).await?;
         }
     }
     let codec = Arc::new(output.codec(desc).await?);
@@ -607,6 +581,77 @@ async fn plan_table(
         columns,
         chunks,
     })
+}
+
+/// `n` chunks by ranges of a single integer key; none when the table is
+/// empty. The first and last ranges are open, so no row is ever dropped.
+async fn key_chunks(
+    client: &Client,
+    qualified: &str,
+    k: &str,
+    n: i64,
+) -> Result<Vec<Option<String>>, RunError> {
+    let bounds = client
+        .query_one(
+            &format!("SELECT min({k})::int8, max({k})::int8 FROM {qualified}"),
+            &[],
+        )
+        .await?;
+    let (Some(lo), Some(hi)) = (
+        bounds.get::<_, Option<i64>>(0),
+        bounds.get::<_, Option<i64>>(1),
+    ) else {
+        return Ok(Vec::new());
+    };
+    let width = ((hi as i128 - lo as i128) / n as i128 + 1) as i64;
+    Ok(ranges(n, |i| lo.saturating_add(width.saturating_mul(i)))
+        .into_iter()
+        .map(|(start, end)| {
+            Some(match (start, end) {
+                (None, Some(e)) => format!("{k} < {e}"),
+                (Some(s), Some(e)) => format!("{k} >= {s} AND {k} < {e}"),
+                (Some(s), None) => format!("{k} >= {s}"),
+                (None, None) => "true".to_string(),
+            })
+        })
+        .collect())
+}
+
+/// `n` chunks by ranges of heap blocks (a TID range scan each), for tables
+/// without a single integer key. Rows the snapshot sees stay where they
+/// are while it runs: the ACCESS SHARE lock blocks VACUUM from truncating
+/// the table, and the last range is open for blocks added since.
+async fn block_chunks(client: &Client, oid: u32, n: i64) -> Result<Vec<Option<String>>, RunError> {
+    let blocks: i64 = client
+        .query_one(
+            "SELECT pg_relation_size($1::oid::regclass) / current_setting('block_size')::int8",
+            &[&oid],
+        )
+        .await?
+        .get(0);
+    let n = n.min(blocks.max(1));
+    let width = (blocks + n - 1) / n.max(1);
+    Ok(ranges(n, |i| width.saturating_mul(i))
+        .into_iter()
+        .map(|(start, end)| match (start, end) {
+            (None, Some(e)) => Some(format!("ctid < '({e},0)'::tid")),
+            (Some(s), Some(e)) => Some(format!("ctid >= '({s},0)'::tid AND ctid < '({e},0)'::tid")),
+            (Some(s), None) => Some(format!("ctid >= '({s},0)'::tid")),
+            (None, None) => None,
+        })
+        .collect())
+}
+
+/// `n` adjacent ranges `[start(i), start(i+1))`, the first open below and
+/// the last open above, so together they cover everything.
+fn ranges(n: i64, start: impl Fn(i64) -> i64) -> Vec<(Option<i64>, Option<i64>)> {
+    (0..n)
+        .map(|i| {
+            let lower = (i > 0).then(|| start(i));
+            let upper = (i + 1 < n).then(|| start(i + 1));
+            (lower, upper)
+        })
+        .collect()
 }
 
 /// Copies every table on the exported snapshot, `workers` chunks at a time.
@@ -1267,4 +1312,18 @@ async fn on_message(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_ranges_are_adjacent_and_open_at_both_ends() {
+        assert_eq!(ranges(1, |i| i * 10), vec![(None, None)]);
+        assert_eq!(
+            ranges(3, |i| 100 + i * 10),
+            vec![(None, Some(110)), (Some(110), Some(120)), (Some(120), None)]
+        );
+    }
 }

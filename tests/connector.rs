@@ -669,6 +669,52 @@ async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
     db.drop_db().await;
 }
 
+#[tokio::test]
+async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() {
+    const ROWS: usize = 50_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_blocks").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.words (w text PRIMARY KEY, n int NOT NULL);
+             INSERT INTO public.words SELECT md5(g::text), g FROM generate_series(1, {ROWS}) g;
+             DELETE FROM public.words WHERE n % 10 = 0;
+             ANALYZE public.words;"
+        ))
+        .await
+        .expect("table");
+    let expected = ROWS - ROWS / 10;
+    let config_toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.words"])
+        .replace("[kafka]", "[source.snapshot]\nchunk_rows = 10000\n[kafka]");
+    let config = ConfigFile::write(&config_toml);
+    let parsed = pgcdc::config::Config::from_toml(&config_toml, "test", &[]).expect("config");
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    let marker = pgcdc::snapshot_marker::latest(
+        &parsed.kafka,
+        &pgcdc::snapshot_marker::topic(&parsed),
+        &db.name,
+    )
+    .await
+    .expect("marker")
+    .expect("a marker");
+    assert_eq!(
+        marker.chunks.get("public.words"),
+        Some(&5),
+        "45,000 rows in chunks of 10,000"
+    );
+    assert_eq!(marker.rows.get("public.words"), Some(&(expected as u64)));
+    let topic = format!("{}.public.words", db.name);
+    let records = support::read_topic(&stack, &topic, expected, Duration::from_secs(120)).await;
+    assert_eq!(connector.terminate().await, 0);
+    let keys: std::collections::HashSet<_> =
+        records.iter().filter_map(|r| r.key.as_deref()).collect();
+    assert_eq!(records.len(), expected, "no row copied twice");
+    assert_eq!(keys.len(), expected, "every row copied");
+    db.drop_db().await;
+}
+
 /// The WAL insert position: unlike `pg_current_wal_lsn()` (the write
 /// position), it includes a commit that `synchronous_commit=off` has not
 /// written yet.
