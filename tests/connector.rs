@@ -715,6 +715,84 @@ async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() 
     db.drop_db().await;
 }
 
+#[tokio::test]
+async fn an_incompatible_schema_change_stops_the_connector_before_producing_it() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_incompat").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.t (id bigint PRIMARY KEY, v int);
+             INSERT INTO public.t VALUES (1, 1);",
+        )
+        .await
+        .expect("table");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.t"],
+    ));
+    let topic = format!("{}.public.t", db.name);
+    let subject = format!("{topic}-value");
+    let connector = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
+        .args(["run", "--config", config.arg()])
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn pgcdc run");
+    support::read_topic(&stack, &topic, 1, Duration::from_secs(60)).await;
+
+    // int -> text: a reader of the new schema cannot read the old records,
+    // so the subject's default BACKWARD level refuses it.
+    client
+        .batch_execute(
+            "ALTER TABLE public.t ALTER COLUMN v TYPE text;
+             INSERT INTO public.t VALUES (2, 'two');",
+        )
+        .await
+        .expect("change");
+    let failing = insert_lsn(&client).await;
+    let out = tokio::time::timeout(Duration::from_secs(60), connector.wait_with_output())
+        .await
+        .expect("the connector must stop")
+        .expect("wait");
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "subject {subject}: schema refused as incompatible"
+        )),
+        "{stderr}"
+    );
+    // Nothing was produced with the refused shape, and the slot will
+    // replay the change.
+    let records =
+        support::read_topic_until(&stack, &topic, Duration::from_secs(10), |_| true).await;
+    assert_eq!(records.len(), 1, "only the snapshot row");
+    assert!(
+        !confirmed_reached(&client, &db.name, &failing).await,
+        "the slot was confirmed past a change that was never produced"
+    );
+
+    // The operator's decision (here: no compatibility for this subject),
+    // then a restart produces the change.
+    let http = reqwest::Client::new();
+    let put = http
+        .put(format!("{}/config/{subject}", stack.registry_url))
+        .header("content-type", "application/vnd.schemaregistry.v1+json")
+        .body(r#"{"compatibility":"NONE"}"#)
+        .send()
+        .await
+        .expect("put config");
+    assert!(put.status().is_success());
+    let connector = ConnectorProcess::start(&config);
+    let records = support::read_topic(&stack, &topic, 2, Duration::from_secs(60)).await;
+    assert_eq!(records.len(), 2);
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
+
 /// The WAL insert position: unlike `pg_current_wal_lsn()` (the write
 /// position), it includes a commit that `synchronous_commit=off` has not
 /// written yet.
