@@ -269,6 +269,12 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         offsets::ensure_topic(&config).await?;
     }
 
+    // Before reading markers and offsets: in exactly-once mode this fences
+    // a crashed predecessor and aborts what it left open, which would
+    // otherwise hold read_committed readers back.
+    let transactional_id = exactly_once.then(|| offsets::transactional_id(&config));
+    let producer = sink::Producer::create(&config.kafka, transactional_id.as_deref()).await?;
+
     let mut existing = slot::status(&sql, &config.source.slot).await?;
     if existing.as_ref().is_some_and(|s| s.active) {
         // After a crash the old session may hold the slot for a moment.
@@ -316,8 +322,6 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             .register(&format!("{txn_topic}-value"), &transactions.value_schema)
             .await?,
     );
-    let transactional_id = exactly_once.then(|| offsets::transactional_id(&config));
-    let producer = sink::Producer::create(&config.kafka, transactional_id.as_deref()).await?;
     // What Kafka already holds of the transactions the slot will replay.
     let resume = match (&existing, exactly_once) {
         (Some(_), true) => {
@@ -380,6 +384,16 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             RunError::Config("CREATE_REPLICATION_SLOT returned no consistent point".into())
         })?;
         tracing::info!(slot = %config.source.slot, %consistent_point, "slot created");
+        if exactly_once && !snapshot {
+            // A new slot: an offset record of an earlier slot of the same
+            // name must not make this one skip anything.
+            let offset = Offset::new(&config.source.slot, 0, consistent_point.0, now_ms());
+            let f = offsets::write(&output.producer, &config, &offset)
+                .await
+                .map_err(RunError::Delivery)?;
+            output.acks.delivery(f).await.map_err(RunError::Delivery)?;
+            output.producer.commit().await?;
+        }
         if snapshot {
             let name = field(2).ok_or_else(|| RunError::Config("no exported snapshot".into()))?;
             let (snapshot_codecs, rows, chunks) =
@@ -418,13 +432,19 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         Ok(l) => l,
         Err(e) => {
             repl.abort();
+            // Readers must not wait for the broker's transaction timeout.
+            let _ = output.producer.abort().await;
             return Err(e);
         }
     };
     // Drain what is in flight, then make the final position durable.
-    let Output { acks, .. } = output;
+    let Output { acks, producer, .. } = output;
     let acks = Arc::try_unwrap(acks).map_err(|_| RunError::Delivery("acks still shared".into()))?;
     let confirmed = acks.drain(last).await.map_err(RunError::Delivery)?;
+    // Exactly once, stopped inside a source transaction: its part in Kafka
+    // is aborted (after delivery, so nothing is purged) and the slot
+    // replays the whole transaction.
+    producer.abort().await?;
     repl.update_applied_lsn(WireLsn(confirmed));
     let _ = repl.shutdown().await;
     advance_slot(&sql, &config.source.slot, confirmed).await;
@@ -978,16 +998,13 @@ impl Release {
         self.release(output, lsn).await
     }
 
-    /// Shutdown: a Kafka transaction holding part of a source transaction
-    /// is aborted (the slot replays that transaction); otherwise it is
-    /// committed. Returns the last released position.
+    /// Shutdown: the open Kafka transaction is committed unless it holds
+    /// part of a source transaction (then it is left for the caller to
+    /// abort once deliveries are done, and the slot replays that
+    /// transaction). Returns the last released position.
     async fn finish(&mut self, output: &Output, mid_transaction: bool) -> Result<u64, RunError> {
-        if self.exactly_once {
-            if mid_transaction {
-                output.producer.abort().await?;
-            } else {
-                self.commit(output).await?;
-            }
+        if self.exactly_once && !mid_transaction {
+            self.commit(output).await?;
         }
         Ok(self.released)
     }

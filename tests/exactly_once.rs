@@ -375,3 +375,62 @@ async fn the_mock_cluster_does_not_hide_uncommitted_records() {
     .await;
     assert_eq!(records[0].value.as_deref(), Some(&b"aborted"[..]));
 }
+
+#[tokio::test]
+async fn exactly_once_stops_cleanly_inside_a_source_transaction_and_replays_it() {
+    const ROWS: i64 = 200_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "eos_term").await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE public.t (id bigint PRIMARY KEY, v int NOT NULL)")
+        .await
+        .expect("table");
+    let mock = mock_cluster(&db.name);
+    let toml = eos_toml(&stack, &db, &mock);
+    let config = ConfigFile::write(&toml);
+    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    insert_txns(&client, 1, 1, ROWS).await;
+    let topic = format!("{}.public.t", db.name);
+    // Part of the transaction is in the open Kafka transaction: stop now.
+    let partial = changelog(&stack, &mock, &topic, 1_000).await;
+    assert_eq!(connector.terminate().await, 0, "SIGTERM exits 0");
+    let commit = partial.values().next().expect("an event")[0].1 as u64;
+    // (Heartbeats written while the insert ran may be confirmed: they lie
+    // before the transaction's commit, which the slot still replays.)
+    let confirmed = confirmed_flush(&client, &parsed.source.slot).await;
+    assert!(
+        confirmed <= commit,
+        "confirmed {} past the commit at {} of a transaction not committed in Kafka",
+        Lsn(confirmed),
+        Lsn(commit)
+    );
+    // The restart replays the whole transaction and commits it in Kafka.
+    let connector = ConnectorProcess::start(&config);
+    wait_offset_beyond(&parsed, commit - 1).await;
+    assert_eq!(connector.terminate().await, 0);
+    // (Reading 200,000 records back from the mock is slow; the partitions'
+    // end offsets tell that the replay produced every row again.)
+    let produced: i64 = {
+        use rdkafka::consumer::{BaseConsumer, Consumer};
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", mock.bootstrap_servers())
+            .create()
+            .expect("consumer");
+        (0..3)
+            .map(|p| {
+                consumer
+                    .fetch_watermarks(&topic, p, Duration::from_secs(10))
+                    .expect("watermarks")
+                    .1
+            })
+            .sum()
+    };
+    assert!(
+        produced >= ROWS + 1_000,
+        "{produced} records: the partial copy and a whole replay"
+    );
+    db.drop_db().await;
+}

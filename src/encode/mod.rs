@@ -38,6 +38,8 @@ pub struct ColumnDesc {
     pub type_name: String,
     /// Labels of an enum type, or of the element of an array of enums.
     pub enum_labels: Option<Vec<String>>,
+    /// The (base) type is an array.
+    pub array: bool,
     /// Part of the Kafka key.
     pub key: bool,
 }
@@ -46,9 +48,7 @@ impl ColumnDesc {
     /// How the column travels in Avro.
     pub fn kind(&self) -> Kind {
         match &self.enum_labels {
-            Some(labels) if self.type_name.ends_with("[]") => {
-                Kind::Array(Box::new(Kind::Enum(labels.clone())))
-            }
+            Some(labels) if self.array => Kind::Array(Box::new(Kind::Enum(labels.clone()))),
             Some(labels) => Kind::Enum(labels.clone()),
             None => Kind::of(self.type_oid, self.type_modifier, &self.type_name),
         }
@@ -604,6 +604,7 @@ mod tests {
             type_modifier: typmod,
             type_name: String::new(),
             enum_labels: None,
+            array: false,
             key,
         };
         TableDesc {

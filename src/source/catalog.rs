@@ -74,12 +74,16 @@ pub async fn columns(
              SELECT DISTINCT ON (b.n) b.oid, b.typmod, format_type(c.oid, NULL),
                  (SELECT array_agg(e.enumlabel::text ORDER BY e.enumsortorder)
                   FROM pg_enum e
-                  WHERE e.enumtypid = CASE WHEN t.typcategory = 'A' THEN t.typelem ELSE b.oid END)
-             FROM b JOIN c ON c.n = b.n JOIN pg_type t ON t.oid = b.oid
+                  WHERE e.enumtypid = CASE WHEN t.typcategory = 'A' THEN t.typelem ELSE b.oid END),
+                 coalesce(t.typcategory = 'A', false)
+             FROM b JOIN c ON c.n = b.n LEFT JOIN pg_type t ON t.oid = b.oid
              ORDER BY b.n, b.depth DESC",
             &[&oids, &typmods],
         )
         .await?;
+    // One row per column (the LEFT JOIN keeps a column whose type is gone
+    // from the current catalog), so the zip below stays aligned.
+    debug_assert_eq!(rows.len(), names.len());
     Ok(names
         .iter()
         .zip(rows)
@@ -90,6 +94,7 @@ pub async fn columns(
             type_modifier: r.get(1),
             type_name: r.get(2),
             enum_labels: r.get(3),
+            array: r.get(4),
         })
         .collect())
 }
