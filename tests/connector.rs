@@ -768,7 +768,7 @@ async fn an_incompatible_schema_change_stops_the_connector_before_producing_it()
     // Nothing was produced with the refused shape, and the slot will
     // replay the change.
     let records =
-        support::read_topic_until(&stack, &topic, Duration::from_secs(10), |_| true).await;
+        support::read_topic_until(&stack, &topic, Duration::from_secs(30), |r| !r.is_empty()).await;
     assert_eq!(records.len(), 1, "only the snapshot row");
     assert!(
         !confirmed_reached(&client, &db.name, &failing).await,
