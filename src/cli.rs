@@ -44,6 +44,11 @@ pub enum Command {
     /// the initial snapshot, then stream every change to Kafka as Avro
     /// changelog events. SIGINT/SIGTERM flush, confirm and exit 0.
     Run(RunArgs),
+    /// Build the mirror tables and read models in the target database from
+    /// the changelog topics, in a consumer group, with exactly-once effects
+    /// (position guard, offsets committed after the database transaction).
+    /// SIGINT/SIGTERM finish the batch in hand and exit 0.
+    Materialize(RunArgs),
     /// Print changelog events as JSON lines, decoded through the registry.
     /// Read-only: joins no consumer group, commits nothing.
     Tail(TailArgs),
@@ -148,6 +153,7 @@ pub async fn execute(command: Command) -> u8 {
         Command::Check(args) => check(&args).await,
         Command::Slot { action } => slot_command(action).await,
         Command::Run(args) => run(&args).await,
+        Command::Materialize(args) => materialize(&args).await,
         Command::Registry(args) => registry(args).await,
         Command::Tail(args) => tail(&args).await,
     };
@@ -298,5 +304,14 @@ async fn run(args: &RunArgs) -> Result<u8, Failure> {
         crate::observe::install(addr).map_err(Failure)?;
     }
     crate::connector::run(config).await?;
+    Ok(exit::OK)
+}
+
+async fn materialize(args: &RunArgs) -> Result<u8, Failure> {
+    let config = load(&args.config).map_err(config_failure)?;
+    if let Some(addr) = args.metrics_addr {
+        crate::observe::install(addr).map_err(Failure)?;
+    }
+    crate::materialize::run(config).await?;
     Ok(exit::OK)
 }

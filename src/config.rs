@@ -309,6 +309,26 @@ pub struct TargetConfig {
     /// Consumer group id; defaults to `pgcdc-<name>`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group_id: Option<String>,
+    /// Changes applied per database transaction, at most.
+    #[serde(default = "default_batch_size")]
+    pub batch_size: usize,
+    /// How long a deleted key's tombstone position is kept: at least the
+    /// longest time in which Kafka can still redeliver a change, plus
+    /// margin.
+    #[serde(default = "default_redelivery_window_hours")]
+    pub redelivery_window_hours: u64,
+}
+
+/// 500 changes per transaction: large enough to amortize the commit,
+/// small enough to keep locks short.
+pub const DEFAULT_BATCH_SIZE: usize = 500;
+/// Kafka's default `retention.ms` (7 days) plus one day of margin.
+pub const DEFAULT_REDELIVERY_WINDOW_HOURS: u64 = 8 * 24;
+fn default_batch_size() -> usize {
+    DEFAULT_BATCH_SIZE
+}
+fn default_redelivery_window_hours() -> u64 {
+    DEFAULT_REDELIVERY_WINDOW_HOURS
 }
 
 fn default_mirror_schema() -> String {
@@ -491,6 +511,16 @@ impl Config {
                 is_identifier(&t.mirror_schema),
                 "target.mirror_schema",
                 "must be 1-63 characters of a-z, 0-9 or '_'",
+            );
+            v.check(
+                (1..=100_000).contains(&t.batch_size),
+                "target.batch_size",
+                "must be between 1 and 100000",
+            );
+            v.check(
+                t.redelivery_window_hours >= 1,
+                "target.redelivery_window_hours",
+                "must be at least 1",
             );
         }
         if !self.read_models.is_empty() && self.target.is_none() {

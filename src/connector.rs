@@ -233,7 +233,7 @@ fn inputs(values: &[Datum]) -> Vec<Input<'_>> {
         .collect()
 }
 
-fn now_ms() -> i64 {
+pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)

@@ -12,6 +12,7 @@ pub mod config;
 pub mod connector;
 pub mod encode;
 pub mod exit;
+pub mod materialize;
 pub mod observe;
 pub mod offsets;
 pub mod preflight;

@@ -19,6 +19,14 @@ pub const REPLICATION_LAG_BYTES: &str = "pgcdc_replication_lag_bytes";
 pub const KAFKA_DELIVERY_ERRORS: &str = "pgcdc_kafka_delivery_errors_total";
 /// Kafka transactions committed (exactly-once mode).
 pub const KAFKA_TRANSACTIONS: &str = "pgcdc_kafka_transactions_total";
+/// Changes the materializer applied to a mirror.
+pub const MATERIALIZE_APPLIED: &str = "pgcdc_materialize_applied_total";
+/// Changes skipped because their position was already applied.
+pub const MATERIALIZE_DUPLICATES: &str = "pgcdc_materialize_duplicates_total";
+/// Records sent to the dead-letter topic.
+pub const MATERIALIZE_DEAD_LETTERED: &str = "pgcdc_materialize_dead_lettered_total";
+/// Seconds per applied batch (one database transaction).
+pub const MATERIALIZE_BATCH_SECONDS: &str = "pgcdc_materialize_batch_seconds";
 /// 1 while the confirmed LSN stands still as WAL grows.
 pub const SLOT_STALLED: &str = "pgcdc_slot_stalled";
 
@@ -44,6 +52,16 @@ fn describe() {
         KAFKA_TRANSACTIONS,
         "Kafka transactions committed (exactly-once mode)"
     );
+    metrics::describe_counter!(MATERIALIZE_APPLIED, "Changes applied to mirrors");
+    metrics::describe_counter!(
+        MATERIALIZE_DUPLICATES,
+        "Changes skipped as already applied (position guard)"
+    );
+    metrics::describe_counter!(
+        MATERIALIZE_DEAD_LETTERED,
+        "Records sent to the dead-letter topic"
+    );
+    metrics::describe_histogram!(MATERIALIZE_BATCH_SECONDS, "Seconds per applied batch");
     metrics::describe_gauge!(
         SLOT_STALLED,
         "1 while the slot's confirmed LSN stands still as WAL grows"

@@ -28,6 +28,7 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use tokio::sync::{mpsc, watch};
@@ -142,7 +143,18 @@ impl Producer {
                 *open = true;
             }
         }
-        send(&self.inner, topic, key, payload).await
+        send(&self.inner, topic, key, payload, None).await
+    }
+
+    /// [`Producer::send`] with record headers (not transactional).
+    pub async fn send_with_headers(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: Option<&[u8]>,
+        headers: OwnedHeaders,
+    ) -> Result<DeliveryFuture, KafkaError> {
+        send(&self.inner, topic, key, payload, Some(headers)).await
     }
 
     /// Commits the open Kafka transaction, if any: its records become
@@ -375,6 +387,7 @@ async fn send(
     topic: &str,
     key: Option<&[u8]>,
     payload: Option<&[u8]>,
+    headers: Option<OwnedHeaders>,
 ) -> Result<DeliveryFuture, KafkaError> {
     loop {
         let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic);
@@ -383,6 +396,9 @@ async fn send(
         }
         if let Some(p) = payload {
             record = record.payload(p);
+        }
+        if let Some(h) = &headers {
+            record = record.headers(h.clone());
         }
         match producer.send_result(record) {
             Ok(f) => return Ok(f),

@@ -16,38 +16,9 @@ use serde_json::{json, Value as Json};
 
 use crate::config::Config;
 use crate::encode::{decode_datum, unframe};
+use crate::materialize::shape::named_types;
 use crate::registry::client::RegistryClient;
 use crate::sink;
-
-/// Named types of a schema document, by full name.
-fn named_types(schema: &Json, namespace: &str, out: &mut HashMap<String, Json>) {
-    match schema {
-        Json::Object(o) => {
-            let ns = o
-                .get("namespace")
-                .and_then(Json::as_str)
-                .unwrap_or(namespace);
-            if let Some(name) = o.get("name").and_then(Json::as_str) {
-                if o.get("type")
-                    .and_then(Json::as_str)
-                    .is_some_and(|t| matches!(t, "record" | "enum" | "fixed"))
-                {
-                    let full = if name.contains('.') || ns.is_empty() {
-                        name.to_string()
-                    } else {
-                        format!("{ns}.{name}")
-                    };
-                    out.insert(full, schema.clone());
-                }
-            }
-            for v in o.values() {
-                named_types(v, ns, out);
-            }
-        }
-        Json::Array(items) => items.iter().for_each(|i| named_types(i, namespace, out)),
-        _ => {}
-    }
-}
 
 /// Avro value to JSON for display, guided by the writer schema: unions
 /// unwrapped, decimals in decimal notation, bytes as hex.

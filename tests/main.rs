@@ -6,6 +6,7 @@ mod support;
 mod check;
 mod connector;
 mod exactly_once;
+mod materialize;
 mod registry;
 mod slot;
 mod types;

@@ -74,6 +74,34 @@ impl RegistryClient {
         }
     }
 
+    /// The latest version of `subject`: its id and schema text; `None`
+    /// when the subject does not exist (yet).
+    pub async fn latest(&self, subject: &str) -> Result<Option<(u32, String)>, ClientError> {
+        let response = self
+            .request(
+                reqwest::Method::GET,
+                &format!("/subjects/{subject}/versions/latest"),
+            )
+            .send()
+            .await
+            .map_err(|e| ClientError::Unreachable(e.without_url().to_string()))?;
+        let status = response.status().as_u16();
+        let body: Value = response.json().await.unwrap_or(Value::Null);
+        if status == 404 {
+            return Ok(None);
+        }
+        match (body["id"].as_u64(), body["schema"].as_str()) {
+            (Some(id), Some(schema)) if status == 200 => {
+                Ok(u32::try_from(id).ok().map(|id| (id, schema.to_string())))
+            }
+            _ => Err(ClientError::Refused {
+                subject: subject.to_string(),
+                status,
+                message: body["message"].as_str().unwrap_or_default().to_string(),
+            }),
+        }
+    }
+
     /// Registers `schema` under `subject` and returns its id.
     pub async fn register(&self, subject: &str, schema: &Value) -> Result<u32, ClientError> {
         let response = self

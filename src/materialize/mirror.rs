@@ -1,0 +1,349 @@
+//! Mirror tables: one per captured table, kept by upsert and delete under
+//! the position guard.
+//!
+//! Guarantee: a change is applied only if its position is newer than every
+//! position stored for its key: the row's own (`_pgcdc_commit_lsn`,
+//! `_pgcdc_seq`), its tombstone after a delete, and the table's last
+//! truncate. The check and the write run under a transaction-scoped
+//! advisory lock on the key, inside the caller's transaction, so two
+//! materializers racing on one key serialize and the second one skips.
+//!
+//! ```text
+//!  change(key, position) ──► lock(key) ──► stored position ≥ position? ──► skip
+//!                                                │ no
+//!                                                ▼
+//!                        upsert row + position │ delete row + tombstone │ truncate + watermark
+//! ```
+//!
+//! A truncate removes only rows older than itself: it has no key, so it
+//! can arrive after newer changes that travelled on other partitions.
+
+use std::collections::HashMap;
+
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Transaction;
+
+use super::shape::{Cell, Column};
+use crate::source::slot::quote_ident;
+
+/// The state schema: tombstones and truncate watermarks.
+pub const STATE_SQL: &str = include_str!("../../sql/materialize.sql");
+
+/// A change's position: `(commit_lsn, seq)`.
+pub type Position = (i64, i64);
+
+/// A mirror table's shape.
+#[derive(Debug, Clone)]
+pub struct Mirror {
+    /// The captured table, `schema.table`.
+    pub source: String,
+    /// The mirror, quoted and qualified.
+    pub qualified: String,
+    pub columns: Vec<Column>,
+    /// Indexes into `columns` of the key, in key order.
+    pub key: Vec<usize>,
+}
+
+impl Mirror {
+    pub fn new(
+        mirror_schema: &str,
+        source: &str,
+        columns: Vec<Column>,
+        key: &[String],
+    ) -> Result<Mirror, String> {
+        let table = source.split_once('.').map_or(source, |(_, t)| t);
+        let key = key
+            .iter()
+            .map(|k| {
+                columns
+                    .iter()
+                    .position(|c| &c.name == k)
+                    .ok_or_else(|| format!("{source}: key column {k} is not a column"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if key.is_empty() {
+            return Err(format!("{source}: no key; a mirror needs one"));
+        }
+        Ok(Mirror {
+            source: source.to_string(),
+            qualified: format!("{}.{}", quote_ident(mirror_schema), quote_ident(table)),
+            columns,
+            key,
+        })
+    }
+
+    /// Creates the mirror if missing and adds columns a newer schema has.
+    pub async fn ensure(
+        &self,
+        client: &tokio_postgres::Client,
+    ) -> Result<(), tokio_postgres::Error> {
+        let cols: Vec<String> = self
+            .columns
+            .iter()
+            .map(|c| format!("{} {}", quote_ident(&c.name), c.sql_type))
+            .collect();
+        let key: Vec<String> = self
+            .key
+            .iter()
+            .map(|&i| quote_ident(&self.columns[i].name))
+            .collect();
+        client
+            .batch_execute(&format!(
+                "CREATE TABLE IF NOT EXISTS {} ({}, _pgcdc_commit_lsn bigint NOT NULL, _pgcdc_seq bigint NOT NULL, PRIMARY KEY ({}))",
+                self.qualified,
+                cols.join(", "),
+                key.join(", ")
+            ))
+            .await?;
+        for c in &self.columns {
+            client
+                .batch_execute(&format!(
+                    "ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}",
+                    self.qualified,
+                    quote_ident(&c.name),
+                    c.sql_type
+                ))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// `k1 = $n::text::T1 AND ...` for the key, parameters from `first_param`.
+    pub fn key_where(&self, first_param: usize) -> String {
+        self.key
+            .iter()
+            .enumerate()
+            .map(|(n, &i)| {
+                let c = &self.columns[i];
+                format!(
+                    "{} = ${}::text::{}",
+                    quote_ident(&c.name),
+                    first_param + n,
+                    c.sql_type
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" AND ")
+    }
+
+    /// The key as stored in tombstones: a JSON array of the key texts.
+    pub fn key_text(&self, key: &[String]) -> String {
+        serde_json::to_string(key).unwrap_or_default()
+    }
+}
+
+/// What happened to a change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Applied,
+    /// Its position is not newer than the stored one: already applied.
+    Duplicate,
+}
+
+/// Statement texts, built once per mirror and column mask.
+#[derive(Debug, Default)]
+pub struct Statements(HashMap<String, String>);
+
+/// Whether `position` is newer than every position stored for the key
+/// (row, tombstone, truncate). Takes the key's lock first, so the answer
+/// holds until the transaction ends.
+pub async fn is_new(
+    tx: &Transaction<'_>,
+    mirror: &Mirror,
+    key: &[String],
+    position: Position,
+) -> Result<bool, tokio_postgres::Error> {
+    Ok(stored_position(tx, mirror, key)
+        .await?
+        .is_none_or(|p| p < position))
+}
+
+/// The newest position stored for a key (row, tombstone, or truncate).
+async fn stored_position(
+    tx: &Transaction<'_>,
+    mirror: &Mirror,
+    key: &[String],
+) -> Result<Option<Position>, tokio_postgres::Error> {
+    let key_text = mirror.key_text(key);
+    tx.query_one(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1 || '|' || $2, 0))",
+        &[&mirror.qualified, &key_text],
+    )
+    .await?;
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_text];
+    for k in key {
+        params.push(k);
+    }
+    let sql = format!(
+        "SELECT _pgcdc_commit_lsn, _pgcdc_seq FROM {m} WHERE {w}
+         UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = $2
+         UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1",
+        m = mirror.qualified,
+        w = mirror.key_where(3)
+    );
+    Ok(tx
+        .query(&sql, &params)
+        .await?
+        .iter()
+        .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1)))
+        .max())
+}
+
+/// Upserts a row (insert, update, snapshot read); call after [`is_new`].
+/// Unchanged-TOAST cells keep the stored value.
+pub async fn upsert(
+    tx: &Transaction<'_>,
+    statements: &mut Statements,
+    mirror: &Mirror,
+    cells: &[Cell],
+    position: Position,
+) -> Result<Outcome, tokio_postgres::Error> {
+    let key: Vec<String> = mirror
+        .key
+        .iter()
+        .map(|&i| match &cells[i] {
+            Cell::Text(t) => t.clone(),
+            _ => String::new(),
+        })
+        .collect();
+    let mask: String = cells
+        .iter()
+        .map(|c| if *c == Cell::Unchanged { 'u' } else { 'v' })
+        .collect();
+    let sql = statements
+        .0
+        .entry(format!("upsert {} {mask}", mirror.qualified))
+        .or_insert_with(|| {
+            let n = mirror.columns.len();
+            let names: Vec<String> = mirror
+                .columns
+                .iter()
+                .map(|c| quote_ident(&c.name))
+                .collect();
+            let values: Vec<String> = mirror
+                .columns
+                .iter()
+                .enumerate()
+                .map(|(i, c)| format!("${}::text::{}", i + 1, c.sql_type))
+                .collect();
+            let key: Vec<String> = mirror.key.iter().map(|&i| names[i].clone()).collect();
+            let mut set: Vec<String> = names
+                .iter()
+                .zip(mask.chars())
+                .filter(|(_, m)| *m == 'v')
+                .map(|(c, _)| format!("{c} = EXCLUDED.{c}"))
+                .collect();
+            set.push("_pgcdc_commit_lsn = EXCLUDED._pgcdc_commit_lsn".into());
+            set.push("_pgcdc_seq = EXCLUDED._pgcdc_seq".into());
+            format!(
+                "INSERT INTO {} ({}, _pgcdc_commit_lsn, _pgcdc_seq) VALUES ({}, ${}, ${})
+                 ON CONFLICT ({}) DO UPDATE SET {}",
+                mirror.qualified,
+                names.join(", "),
+                values.join(", "),
+                n + 1,
+                n + 2,
+                key.join(", "),
+                set.join(", ")
+            )
+        })
+        .clone();
+    let texts: Vec<Option<String>> = cells
+        .iter()
+        .map(|c| match c {
+            Cell::Text(t) => Some(t.clone()),
+            Cell::Null | Cell::Unchanged => None,
+        })
+        .collect();
+    let mut params: Vec<&(dyn ToSql + Sync)> =
+        texts.iter().map(|t| t as &(dyn ToSql + Sync)).collect();
+    params.push(&position.0);
+    params.push(&position.1);
+    tx.execute(&sql, &params).await?;
+    tx.execute(
+        "DELETE FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = $2",
+        &[&mirror.qualified, &mirror.key_text(&key)],
+    )
+    .await?;
+    Ok(Outcome::Applied)
+}
+
+/// Deletes a row and leaves a tombstone position; call after [`is_new`].
+pub async fn delete(
+    tx: &Transaction<'_>,
+    mirror: &Mirror,
+    key: &[String],
+    position: Position,
+) -> Result<Outcome, tokio_postgres::Error> {
+    let params: Vec<&(dyn ToSql + Sync)> = key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
+    tx.execute(
+        &format!(
+            "DELETE FROM {} WHERE {}",
+            mirror.qualified,
+            mirror.key_where(1)
+        ),
+        &params,
+    )
+    .await?;
+    tx.execute(
+        "INSERT INTO pgcdc_state.tombstones (mirror, key, commit_lsn, seq) VALUES ($1, $2, $3, $4)
+         ON CONFLICT (mirror, key) DO UPDATE
+         SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, deleted_at = now()",
+        &[
+            &mirror.qualified,
+            &mirror.key_text(key),
+            &position.0,
+            &position.1,
+        ],
+    )
+    .await?;
+    Ok(Outcome::Applied)
+}
+
+/// Empties a mirror and records the truncate's position, unless a newer
+/// truncate is recorded.
+pub async fn truncate(
+    tx: &Transaction<'_>,
+    mirror: &Mirror,
+    position: Position,
+) -> Result<Outcome, tokio_postgres::Error> {
+    tx.query_one(
+        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+        &[&mirror.qualified],
+    )
+    .await?;
+    let stored = tx
+        .query_opt(
+            "SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1",
+            &[&mirror.qualified],
+        )
+        .await?
+        .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1)));
+    if stored.is_some_and(|p| p >= position) {
+        return Ok(Outcome::Duplicate);
+    }
+    // Only what is older than the truncate: a truncate has no key, so it
+    // travels on any partition, and newer changes of other partitions may
+    // already be applied.
+    tx.execute(
+        &format!(
+            "DELETE FROM {} WHERE (_pgcdc_commit_lsn, _pgcdc_seq) < ($1, $2)",
+            mirror.qualified
+        ),
+        &[&position.0, &position.1],
+    )
+    .await?;
+    tx.execute(
+        "DELETE FROM pgcdc_state.tombstones WHERE mirror = $1 AND (commit_lsn, seq) < ($2, $3)",
+        &[&mirror.qualified, &position.0, &position.1],
+    )
+    .await?;
+    tx.execute(
+        "INSERT INTO pgcdc_state.truncations (mirror, commit_lsn, seq) VALUES ($1, $2, $3)
+         ON CONFLICT (mirror) DO UPDATE
+         SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, truncated_at = now()",
+        &[&mirror.qualified, &position.0, &position.1],
+    )
+    .await?;
+    Ok(Outcome::Applied)
+}

@@ -1,0 +1,611 @@
+//! `pgcdc materialize`: mirror tables and denormalized read models in the
+//! target Postgres, with exactly-once effects.
+//!
+//! Guarantees:
+//! - **Exactly-once effects.** A batch of changes is applied in one
+//!   database transaction: mirror writes (under the position guard of
+//!   [`mirror`]), tombstones and view recomputes together. Kafka offsets
+//!   are committed only after that transaction commits. A redelivered
+//!   change (after a crash, a rebalance, a reset of the group's offsets)
+//!   carries a position that is not newer than the stored one and is
+//!   skipped; two instances racing on one key serialize on a lock.
+//! - **Nothing vanishes.** A change the target rejects (a constraint, a
+//!   value it cannot take) or a record that cannot be decoded goes to
+//!   `<prefix>.dlq` with its failure class, error, origin and position in
+//!   the headers, and Kafka acknowledges it before the batch commits. The
+//!   partition moves on.
+//!
+//! ```text
+//!  changelog topics ──► consumer group ──► decode (schema cache by id)
+//!        │                                        │
+//!        │              BEGIN ── guard ─► mirror ─┴─► affected keys ─► views ── COMMIT
+//!        │                          └─ rejected ─► <prefix>.dlq (acknowledged first)
+//!        └──────────────── commit offsets ◄──────────────────────────────────────┘
+//! ```
+
+pub mod mirror;
+pub mod shape;
+pub mod view;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use apache_avro::types::Value;
+use apache_avro::Schema;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::{Message, Offset, TopicPartitionList};
+use serde_json::Value as Json;
+use tokio_postgres::Client;
+
+use crate::config::Config;
+use crate::encode::{decode_datum, unframe};
+use crate::observe;
+use crate::registry::client::{ClientError, RegistryClient};
+use crate::sink;
+use mirror::{Mirror, Outcome, Statements};
+use shape::{Cell, Column};
+use view::View;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MaterializeError {
+    #[error("config: {0}")]
+    Config(String),
+    #[error("target: {}", crate::source::error_text(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("registry: {0}")]
+    Registry(#[from] ClientError),
+    #[error("{0}")]
+    Schema(String),
+    #[error("dead-letter topic: {0}")]
+    DeadLetter(String),
+}
+
+/// `<prefix>.dlq`.
+pub fn dlq_topic(config: &Config) -> String {
+    format!("{}.dlq", config.kafka.topic_prefix)
+}
+
+/// A decoded writer schema.
+struct Writer {
+    schema: Schema,
+    json: Json,
+    names: HashMap<String, Json>,
+}
+
+/// Why a message went to the dead-letter topic.
+struct Failure {
+    class: &'static str,
+    error: String,
+    position: Option<mirror::Position>,
+}
+
+/// A decoded change.
+struct Change {
+    op: String,
+    position: mirror::Position,
+    /// Mirror column order; `None` for a delete or truncate.
+    cells: Option<Vec<Cell>>,
+    /// The key texts, in key order.
+    key: Vec<String>,
+}
+
+struct State {
+    registry: RegistryClient,
+    writers: HashMap<u32, Arc<Writer>>,
+    /// Topic → mirror.
+    mirrors: HashMap<String, Mirror>,
+    views: Vec<View>,
+    statements: Statements,
+}
+
+impl State {
+    async fn writer(&mut self, id: u32) -> Result<Arc<Writer>, Failure> {
+        if let Some(w) = self.writers.get(&id) {
+            return Ok(w.clone());
+        }
+        let text = self.registry.schema_by_id(id).await.map_err(|e| Failure {
+            class: "unknown_schema",
+            error: e.to_string(),
+            position: None,
+        })?;
+        let bad = |e: String| Failure {
+            class: "deserialization",
+            error: format!("schema {id}: {e}"),
+            position: None,
+        };
+        let json: Json = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
+        let schema = Schema::parse_str(&text).map_err(|e| bad(e.to_string()))?;
+        let mut names = HashMap::new();
+        shape::named_types(&json, "", &mut names);
+        let w = Arc::new(Writer {
+            schema,
+            json,
+            names,
+        });
+        self.writers.insert(id, w.clone());
+        Ok(w)
+    }
+
+    /// Decodes a changelog record into a change for `mirror`.
+    async fn decode(&mut self, topic: &str, value: &[u8]) -> Result<Change, Failure> {
+        let bad = |error: String| Failure {
+            class: "deserialization",
+            error,
+            position: None,
+        };
+        let (id, datum) = unframe(value).ok_or_else(|| bad("not Confluent-framed Avro".into()))?;
+        let w = self.writer(id).await?;
+        let envelope = decode_datum(&w.schema, datum).map_err(|e| bad(e.to_string()))?;
+        let Value::Record(fields) = &envelope else {
+            return Err(bad("the value is not a record".into()));
+        };
+        let get = |name: &str| {
+            fields
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| match v {
+                    Value::Union(_, inner) => inner.as_ref(),
+                    other => other,
+                })
+        };
+        let op = match get("op") {
+            Some(Value::String(s)) => s.clone(),
+            other => return Err(bad(format!("op: {other:?}"))),
+        };
+        let position = match get("source") {
+            Some(Value::Record(src)) => {
+                let f = |name: &str| {
+                    src.iter()
+                        .find(|(n, _)| n == name)
+                        .and_then(|(_, v)| match v {
+                            Value::Long(n) => Some(*n),
+                            _ => None,
+                        })
+                };
+                f("commit_lsn").zip(f("seq"))
+            }
+            _ => None,
+        }
+        .ok_or_else(|| bad("source.commit_lsn/seq missing".into()))?;
+        let mirror = self
+            .mirrors
+            .get(topic)
+            .ok_or_else(|| bad(format!("no mirror for topic {topic}")))?;
+        // The row record's field schemas, by name, from the writer schema.
+        let row_schema = w.json["fields"]
+            .as_array()
+            .and_then(|f| f.iter().find(|f| f["name"] == "after"))
+            .map(|f| &f["type"])
+            .and_then(|t| t.as_array())
+            .and_then(|branches| branches.iter().find(|b| b != &&Json::String("null".into())))
+            .map(|b| match b {
+                Json::String(name) => w.names.get(name).cloned().unwrap_or(Json::Null),
+                other => other.clone(),
+            })
+            .unwrap_or(Json::Null);
+        let field_schema = |name: &str| {
+            row_schema["fields"]
+                .as_array()
+                .and_then(|f| f.iter().find(|f| f["name"] == name))
+                .map(|f| f["type"].clone())
+                .unwrap_or(Json::Null)
+        };
+        let cells_of = |image: &Value| -> Result<Vec<Cell>, Failure> {
+            let Value::Record(row) = image else {
+                return Err(bad("row image is not a record".into()));
+            };
+            mirror
+                .columns
+                .iter()
+                .map(|c| match row.iter().find(|(n, _)| n == &c.name) {
+                    Some((_, v)) => {
+                        shape::cell(v, &field_schema(&c.name), &w.names).map_err(|e| Failure {
+                            class: "unsupported_value",
+                            error: format!("{}.{}: {e}", mirror.source, c.name),
+                            position: Some(position),
+                        })
+                    }
+                    // A column the writer did not have: leave it as it is.
+                    None => Ok(Cell::Unchanged),
+                })
+                .collect()
+        };
+        let after = get("after").filter(|v| !matches!(v, Value::Null));
+        let before = get("before").filter(|v| !matches!(v, Value::Null));
+        let (cells, image) = match op.as_str() {
+            "c" | "u" | "r" => {
+                let a = after.ok_or_else(|| bad(format!("op {op} without after")))?;
+                let cells = cells_of(a)?;
+                (Some(cells.clone()), Some(cells))
+            }
+            "d" => (None, before.map(cells_of).transpose()?),
+            "t" => (None, None),
+            other => return Err(bad(format!("unknown op {other}"))),
+        };
+        let key = match &image {
+            Some(img) => mirror
+                .key
+                .iter()
+                .map(|&i| match &img[i] {
+                    Cell::Text(t) => Ok(t.clone()),
+                    _ => Err(bad(format!(
+                        "{}: key column {} is empty",
+                        mirror.source, mirror.columns[i].name
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+            None if op == "t" => Vec::new(),
+            None => return Err(bad("delete without a before image".into())),
+        };
+        Ok(Change {
+            op,
+            position,
+            cells,
+            key,
+        })
+    }
+}
+
+/// Waits for a subject's latest schema (the connector may not have run
+/// yet) and returns its text.
+async fn latest_schema(
+    registry: &RegistryClient,
+    subject: &str,
+) -> Result<String, MaterializeError> {
+    let started = Instant::now();
+    loop {
+        if let Some((_, schema)) = registry.latest(subject).await? {
+            return Ok(schema);
+        }
+        if started.elapsed().as_secs().is_multiple_of(30) {
+            tracing::info!(%subject, "waiting for the connector to register this subject");
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// The mirror of a captured table from its subjects' latest schemas.
+async fn mirror_for(
+    registry: &RegistryClient,
+    config: &Config,
+    table: &str,
+    mirror_schema: &str,
+) -> Result<Mirror, MaterializeError> {
+    let topic = config.topic_for(table);
+    let value = latest_schema(registry, &format!("{topic}-value")).await?;
+    let key = latest_schema(registry, &format!("{topic}-key")).await?;
+    let value: Json =
+        serde_json::from_str(&value).map_err(|e| MaterializeError::Schema(e.to_string()))?;
+    let key: Json =
+        serde_json::from_str(&key).map_err(|e| MaterializeError::Schema(e.to_string()))?;
+    let mut names = HashMap::new();
+    shape::named_types(&value, "", &mut names);
+    let row = value["fields"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["name"] == "after"))
+        .and_then(|f| f["type"].as_array())
+        .and_then(|b| b.iter().find(|b| b.as_str() != Some("null")))
+        .cloned()
+        .ok_or_else(|| MaterializeError::Schema(format!("{topic}-value: no `after` record")))?;
+    let row = match &row {
+        Json::String(n) => names.get(n).cloned().unwrap_or(Json::Null),
+        other => other.clone(),
+    };
+    let columns: Vec<Column> = row["fields"]
+        .as_array()
+        .map(|f| {
+            f.iter()
+                .map(|f| Column {
+                    name: f["name"].as_str().unwrap_or_default().to_string(),
+                    sql_type: shape::sql_type(&f["type"], &names),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let key_names: Vec<String> = key["fields"]
+        .as_array()
+        .map(|f| {
+            f.iter()
+                .filter_map(|f| f["name"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
+    Mirror::new(mirror_schema, table, columns, &key_names).map_err(MaterializeError::Schema)
+}
+
+/// Runs until SIGINT/SIGTERM or an infrastructure error.
+pub async fn run(config: Config) -> Result<(), MaterializeError> {
+    let config = Arc::new(config);
+    let target = config
+        .target
+        .clone()
+        .ok_or_else(|| MaterializeError::Config("target: is required".into()))?;
+    let mut db = crate::source::connect(&target.url).await?;
+    db.batch_execute(mirror::STATE_SQL).await?;
+    db.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {}",
+        crate::source::slot::quote_ident(&target.mirror_schema)
+    ))
+    .await?;
+    let registry = RegistryClient::new(&config.registry)?;
+    let mut mirrors = HashMap::new();
+    for table in &config.source.tables {
+        let m = mirror_for(&registry, &config, table, &target.mirror_schema).await?;
+        m.ensure(&db).await?;
+        mirrors.insert(config.topic_for(table), m);
+    }
+    let mut views = Vec::new();
+    for (name, rm) in &config.read_models {
+        views.push(
+            View::prepare(&db, name, rm)
+                .await
+                .map_err(MaterializeError::Config)?,
+        );
+    }
+    let dlq = dlq_topic(&config);
+    sink::ensure_topics(&config.kafka, std::slice::from_ref(&dlq)).await?;
+    let producer = sink::Producer::create(&config.kafka, None).await?;
+
+    let group = target
+        .group_id
+        .clone()
+        .unwrap_or_else(|| format!("pgcdc-{}", config.name));
+    let consumer: StreamConsumer = sink::client_config(&config.kafka)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("isolation.level", "read_committed")
+        .create()?;
+    let topics: Vec<String> = mirrors.keys().cloned().collect();
+    let topic_refs: Vec<&str> = topics.iter().map(String::as_str).collect();
+    consumer.subscribe(&topic_refs)?;
+    tracing::info!(%group, topics = topics.len(), views = views.len(), "materializing");
+
+    let mut state = State {
+        registry,
+        writers: HashMap::new(),
+        mirrors,
+        views,
+        statements: Statements::default(),
+    };
+    let shutdown = crate::shutdown_signal();
+    tokio::pin!(shutdown);
+    let mut last_sweep = Instant::now();
+    loop {
+        // A batch: wait for one message, then take what else is ready.
+        let first = tokio::select! {
+            _ = &mut shutdown => break,
+            m = consumer.recv() => m?.detach(),
+        };
+        let mut batch = vec![first];
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+        while batch.len() < target.batch_size {
+            match tokio::time::timeout_at(deadline, consumer.recv()).await {
+                Ok(m) => batch.push(m?.detach()),
+                Err(_) => break,
+            }
+        }
+        let started = Instant::now();
+        apply_batch(&mut state, &mut db, &producer, &batch, &dlq).await?;
+        metrics::histogram!(observe::MATERIALIZE_BATCH_SECONDS)
+            .record(started.elapsed().as_secs_f64());
+        // Only now, with the transaction committed, do the offsets move.
+        let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
+        for m in &batch {
+            let e = next
+                .entry((m.topic().to_string(), m.partition()))
+                .or_default();
+            *e = (*e).max(m.offset() + 1);
+        }
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), offset) in &next {
+            tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
+        }
+        if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
+            // After a rebalance the new owner re-reads; the guard skips.
+            tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
+        }
+        if last_sweep.elapsed() > Duration::from_secs(60) {
+            sweep(&db, target.redelivery_window_hours).await?;
+            last_sweep = Instant::now();
+        }
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Removes tombstones older than the redelivery window.
+async fn sweep(db: &Client, hours: u64) -> Result<(), MaterializeError> {
+    let removed = db
+        .execute(
+            "DELETE FROM pgcdc_state.tombstones WHERE deleted_at < now() - make_interval(hours => $1)",
+            &[&(hours as i32)],
+        )
+        .await?;
+    if removed > 0 {
+        tracing::info!(removed, "tombstones past the redelivery window removed");
+    }
+    Ok(())
+}
+
+/// Whether a database error is about the data (the row goes to the
+/// dead-letter topic) rather than the database (retry the batch).
+fn is_data_error(e: &tokio_postgres::Error) -> Option<&'static str> {
+    let code = e.code()?.code();
+    match &code[..2] {
+        "23" => Some("constraint_violation"),
+        "22" => Some("unsupported_value"),
+        _ => None,
+    }
+}
+
+async fn apply_batch(
+    state: &mut State,
+    db: &mut Client,
+    producer: &sink::Producer,
+    batch: &[rdkafka::message::OwnedMessage],
+    dlq: &str,
+) -> Result<(), MaterializeError> {
+    let mut dead: Vec<(usize, Failure)> = Vec::new();
+    let mut changes: Vec<(usize, Change)> = Vec::new();
+    for (i, m) in batch.iter().enumerate() {
+        // Tombstones only serve compaction; the delete event came first.
+        let Some(value) = m.payload() else { continue };
+        match state.decode(m.topic(), value).await {
+            Ok(c) => changes.push((i, c)),
+            Err(f) => dead.push((i, f)),
+        }
+    }
+    let mut tx = db.transaction().await?;
+    let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
+    let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
+    let (mut applied, mut duplicates) = (0u64, 0u64);
+    for (i, change) in &changes {
+        let topic = batch[*i].topic();
+        let Some(m) = mirrors.get(topic) else {
+            continue;
+        };
+        let sp = tx.savepoint("change").await?;
+        let result: Result<Outcome, tokio_postgres::Error> = async {
+            if change.op == "t" {
+                // Every view row that may depend on the table.
+                for (v, view) in views.iter().enumerate() {
+                    if view.sources.iter().any(|(t, _)| t == &m.source) {
+                        view.all_keys(&sp, &mut affected[v]).await?;
+                    }
+                }
+                return mirror::truncate(&sp, m, change.position).await;
+            }
+            if !mirror::is_new(&sp, m, &change.key, change.position).await? {
+                return Ok(Outcome::Duplicate);
+            }
+            // View keys of the row as it was, then as it is.
+            for (v, view) in views.iter().enumerate() {
+                for (t, mapping) in &view.sources {
+                    if t == &m.source {
+                        view.keys_of(&sp, mapping, m, &change.key, &mut affected[v])
+                            .await?;
+                    }
+                }
+            }
+            match &change.cells {
+                Some(cells) => mirror::upsert(&sp, statements, m, cells, change.position).await?,
+                None => mirror::delete(&sp, m, &change.key, change.position).await?,
+            };
+            for (v, view) in views.iter().enumerate() {
+                for (t, mapping) in &view.sources {
+                    if t == &m.source {
+                        view.keys_of(&sp, mapping, m, &change.key, &mut affected[v])
+                            .await?;
+                    }
+                }
+            }
+            Ok(Outcome::Applied)
+        }
+        .await;
+        match result {
+            Ok(outcome) => {
+                sp.commit().await?;
+                match outcome {
+                    Outcome::Applied => applied += 1,
+                    Outcome::Duplicate => duplicates += 1,
+                }
+            }
+            Err(e) => match is_data_error(&e) {
+                Some(class) => {
+                    sp.rollback().await?;
+                    dead.push((
+                        *i,
+                        Failure {
+                            class,
+                            error: crate::source::error_text(&e),
+                            position: Some(change.position),
+                        },
+                    ));
+                }
+                None => return Err(e.into()),
+            },
+        }
+    }
+    for (v, view) in views.iter().enumerate() {
+        view.recompute(&tx, &affected[v])
+            .await
+            .map_err(MaterializeError::Schema)?;
+    }
+    // Dead letters are durable in Kafka before the batch (and its offsets)
+    // commit: a rejected change never vanishes.
+    for (i, f) in &dead {
+        dead_letter(producer, dlq, &batch[*i], f).await?;
+    }
+    tx.commit().await?;
+    metrics::counter!(observe::MATERIALIZE_APPLIED).increment(applied);
+    metrics::counter!(observe::MATERIALIZE_DUPLICATES).increment(duplicates);
+    metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(dead.len() as u64);
+    Ok(())
+}
+
+async fn dead_letter(
+    producer: &sink::Producer,
+    dlq: &str,
+    m: &rdkafka::message::OwnedMessage,
+    f: &Failure,
+) -> Result<(), MaterializeError> {
+    let now = crate::connector::now_ms().to_string();
+    let partition = m.partition().to_string();
+    let offset = m.offset().to_string();
+    let position = f
+        .position
+        .map(|(c, s)| format!("{c}:{s}"))
+        .unwrap_or_default();
+    tracing::warn!(topic = m.topic(), partition = m.partition(), offset = m.offset(), class = f.class, error = %f.error, "change dead-lettered");
+    let headers = OwnedHeaders::new()
+        .insert(Header {
+            key: "pgcdc.failure.class",
+            value: Some(f.class),
+        })
+        .insert(Header {
+            key: "pgcdc.failure.error",
+            value: Some(f.error.as_str()),
+        })
+        .insert(Header {
+            key: "pgcdc.origin.topic",
+            value: Some(m.topic()),
+        })
+        .insert(Header {
+            key: "pgcdc.origin.partition",
+            value: Some(partition.as_str()),
+        })
+        .insert(Header {
+            key: "pgcdc.origin.offset",
+            value: Some(offset.as_str()),
+        })
+        .insert(Header {
+            key: "pgcdc.position",
+            value: Some(position.as_str()),
+        })
+        .insert(Header {
+            key: "pgcdc.attempts",
+            value: Some("1"),
+        })
+        .insert(Header {
+            key: "pgcdc.first_failure_ms",
+            value: Some(now.as_str()),
+        })
+        .insert(Header {
+            key: "pgcdc.last_failure_ms",
+            value: Some(now.as_str()),
+        });
+    let f = producer
+        .send_with_headers(dlq, m.key(), m.payload(), headers)
+        .await?;
+    match f.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err((e, _))) => Err(MaterializeError::DeadLetter(e.to_string())),
+        Err(_) => Err(MaterializeError::DeadLetter("producer dropped".into())),
+    }
+}

@@ -1,0 +1,310 @@
+//! Denormalized views (read models): recomputed for the keys a batch of
+//! changes affected, in the same transaction as the mirror writes.
+//!
+//! Guarantee: a view row is always what the view's query returns on the
+//! mirrors as of the transaction's commit, for every affected key. Keys
+//! are collected from the mirror row both before and after each change,
+//! so a row that moves (an order to another customer) updates both sides.
+
+use std::collections::BTreeSet;
+
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::GenericClient;
+
+use crate::config::ReadModelConfig;
+use crate::source::slot::quote_ident;
+
+use super::mirror::Mirror;
+
+/// How a changed source row maps to view keys.
+#[derive(Debug, Clone)]
+pub enum Mapping {
+    /// The mirror row's column whose value is the view key.
+    Column(String),
+    /// SQL over the mirrors: `$1` is the changed row's key, each row of
+    /// the result a view key (wrapped to return text).
+    Query { sql: String, param: Type },
+}
+
+#[derive(Debug, Clone)]
+pub struct View {
+    pub name: String,
+    pub qualified: String,
+    pub key: String,
+    query: String,
+    /// The type of the query's `$1` (an array of keys).
+    param: Type,
+    delete_param: Type,
+    /// Source table (`schema.table`) → mapping.
+    pub sources: Vec<(String, Mapping)>,
+}
+
+/// A key value (as text) bound as the parameter type Postgres inferred.
+fn bind_one(ty: &Type, text: &str) -> Result<Box<dyn ToSql + Sync + Send>, String> {
+    let bad = || format!("key '{text}' is not a {}", ty.name());
+    Ok(match *ty {
+        Type::INT2 => Box::new(text.parse::<i16>().map_err(|_| bad())?),
+        Type::INT4 => Box::new(text.parse::<i32>().map_err(|_| bad())?),
+        Type::INT8 => Box::new(text.parse::<i64>().map_err(|_| bad())?),
+        Type::TEXT | Type::VARCHAR | Type::BPCHAR | Type::NAME => Box::new(text.to_string()),
+        _ => {
+            return Err(format!(
+                "keys of type {} are not supported (use integers or text)",
+                ty.name()
+            ))
+        }
+    })
+}
+
+/// Keys (as text) bound as the array type Postgres inferred.
+fn bind_many(ty: &Type, keys: &[String]) -> Result<Box<dyn ToSql + Sync + Send>, String> {
+    fn parse<T: std::str::FromStr>(keys: &[String], ty: &Type) -> Result<Vec<T>, String> {
+        keys.iter()
+            .map(|k| {
+                k.parse::<T>()
+                    .map_err(|_| format!("key '{k}' is not a {}", ty.name()))
+            })
+            .collect()
+    }
+    Ok(match *ty {
+        Type::INT2_ARRAY => Box::new(parse::<i16>(keys, ty)?),
+        Type::INT4_ARRAY => Box::new(parse::<i32>(keys, ty)?),
+        Type::INT8_ARRAY => Box::new(parse::<i64>(keys, ty)?),
+        Type::TEXT_ARRAY | Type::VARCHAR_ARRAY | Type::BPCHAR_ARRAY | Type::NAME_ARRAY => {
+            Box::new(keys.to_vec())
+        }
+        _ => {
+            return Err(format!(
+                "$1 of type {} is not supported (use an array of integers or text)",
+                ty.name()
+            ))
+        }
+    })
+}
+
+impl View {
+    /// Creates the view's table (from its query's shape, with its key as
+    /// primary key) if missing, and prepares its statements. The mirrors
+    /// must exist.
+    pub async fn prepare(
+        client: &tokio_postgres::Client,
+        name: &str,
+        rm: &ReadModelConfig,
+    ) -> Result<View, String> {
+        let field = |f: &str| format!("read_models.{name}.{f}");
+        let (schema, table) = rm
+            .table
+            .split_once('.')
+            .ok_or_else(|| format!("{}: must be schema.table", field("table")))?;
+        let qualified = format!("{}.{}", quote_ident(schema), quote_ident(table));
+        let key = rm
+            .key
+            .first()
+            .cloned()
+            .ok_or_else(|| format!("{}: needs one column", field("key")))?;
+        if rm.key.len() > 1 {
+            return Err(format!(
+                "{}: composite view keys are not supported yet",
+                field("key")
+            ));
+        }
+        let stmt = client
+            .prepare(&rm.query)
+            .await
+            .map_err(|e| format!("{}: {}", field("query"), crate::source::error_text(&e)))?;
+        let param = match stmt.params() {
+            [p] => p.clone(),
+            other => {
+                return Err(format!(
+                    "{}: must take exactly one parameter ($1, the array of keys); it takes {}",
+                    field("query"),
+                    other.len()
+                ))
+            }
+        };
+        bind_many(&param, &[]).map_err(|e| format!("{}: {e}", field("query")))?;
+        let statement = format!(
+            "pgcdc_view_{}",
+            name.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
+        );
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {schema_q};
+                 PREPARE {statement} AS {query};
+                 CREATE TABLE IF NOT EXISTS {qualified} AS EXECUTE {statement}(NULL) WITH NO DATA;
+                 DEALLOCATE {statement};",
+                schema_q = quote_ident(schema),
+                query = rm.query,
+            ))
+            .await
+            .map_err(|e| format!("{}: {}", field("table"), crate::source::error_text(&e)))?;
+        let has_pk = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indrelid = $1::text::regclass AND indisprimary)",
+                &[&qualified],
+            )
+            .await
+            .map_err(|e| crate::source::error_text(&e))?
+            .get::<_, bool>(0);
+        if !has_pk {
+            client
+                .batch_execute(&format!(
+                    "ALTER TABLE {qualified} ADD PRIMARY KEY ({})",
+                    quote_ident(&key)
+                ))
+                .await
+                .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?;
+        }
+        let delete_param = client
+            .prepare(&format!(
+                "DELETE FROM {qualified} WHERE {} = ANY($1)",
+                quote_ident(&key)
+            ))
+            .await
+            .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?
+            .params()[0]
+            .clone();
+        let mut sources = Vec::new();
+        for (i, s) in rm.sources.iter().enumerate() {
+            let mapping = match (&s.key_columns, &s.affected_keys) {
+                (Some(cols), _) => Mapping::Column(cols.first().cloned().unwrap_or_default()),
+                (None, Some(sql)) => {
+                    let wrapped = format!("SELECT k::text FROM ({sql}) AS q(k)");
+                    let stmt = client.prepare(&wrapped).await.map_err(|e| {
+                        format!(
+                            "{}: {}",
+                            field(&format!("sources[{i}].affected_keys")),
+                            crate::source::error_text(&e)
+                        )
+                    })?;
+                    let param = stmt.params().first().cloned().unwrap_or(Type::TEXT);
+                    // Integers and text take "0"; other types are refused.
+                    bind_one(&param, "0").map_err(|e| {
+                        format!("{}: {e}", field(&format!("sources[{i}].affected_keys")))
+                    })?;
+                    Mapping::Query {
+                        sql: wrapped,
+                        param,
+                    }
+                }
+                (None, None) => continue,
+            };
+            sources.push((s.table.clone(), mapping));
+        }
+        Ok(View {
+            name: name.to_string(),
+            qualified,
+            key,
+            query: rm.query.clone(),
+            param,
+            delete_param,
+            sources,
+        })
+    }
+
+    /// The view keys a mirror row maps to right now (none when the row
+    /// does not exist).
+    pub async fn keys_of(
+        &self,
+        client: &impl GenericClient,
+        mapping: &Mapping,
+        mirror: &Mirror,
+        key: &[String],
+        out: &mut BTreeSet<String>,
+    ) -> Result<(), tokio_postgres::Error> {
+        match mapping {
+            Mapping::Column(col) => {
+                let params: Vec<&(dyn ToSql + Sync)> =
+                    key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
+                let rows = client
+                    .query(
+                        &format!(
+                            "SELECT {}::text FROM {} WHERE {}",
+                            quote_ident(col),
+                            mirror.qualified,
+                            mirror.key_where(1)
+                        ),
+                        &params,
+                    )
+                    .await?;
+                out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+            }
+            Mapping::Query { sql, param } => {
+                let Some(k) = key.first() else { return Ok(()) };
+                let Ok(bound) = bind_one(param, k) else {
+                    return Ok(());
+                };
+                let rows = client
+                    .query(sql.as_str(), &[bound.as_ref() as &(dyn ToSql + Sync)])
+                    .await?;
+                out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every key the view holds now (after a truncate of a source).
+    pub async fn all_keys(
+        &self,
+        client: &impl GenericClient,
+        out: &mut BTreeSet<String>,
+    ) -> Result<(), tokio_postgres::Error> {
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT {}::text FROM {}",
+                    quote_ident(&self.key),
+                    self.qualified
+                ),
+                &[],
+            )
+            .await?;
+        out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+        Ok(())
+    }
+
+    /// Replaces the view rows of `keys` with what the query returns now.
+    pub async fn recompute(
+        &self,
+        client: &impl GenericClient,
+        keys: &BTreeSet<String>,
+    ) -> Result<(), String> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<String> = keys.iter().cloned().collect();
+        let del = bind_many(&self.delete_param, &keys)?;
+        client
+            .execute(
+                &format!(
+                    "DELETE FROM {} WHERE {} = ANY($1)",
+                    self.qualified,
+                    quote_ident(&self.key)
+                ),
+                &[del.as_ref() as &(dyn ToSql + Sync)],
+            )
+            .await
+            .map_err(|e| {
+                format!(
+                    "read model {}: {}",
+                    self.name,
+                    crate::source::error_text(&e)
+                )
+            })?;
+        let ins = bind_many(&self.param, &keys)?;
+        client
+            .execute(
+                &format!("INSERT INTO {} {}", self.qualified, self.query),
+                &[ins.as_ref() as &(dyn ToSql + Sync)],
+            )
+            .await
+            .map_err(|e| {
+                format!(
+                    "read model {}: {}",
+                    self.name,
+                    crate::source::error_text(&e)
+                )
+            })?;
+        Ok(())
+    }
+}
