@@ -317,6 +317,16 @@ pub struct TargetConfig {
     /// margin.
     #[serde(default = "default_redelivery_window_hours")]
     pub redelivery_window_hours: u64,
+    /// Keys in the in-process dedup tier (an LRU of recently committed
+    /// positions); 0 disables it.
+    #[serde(default = "default_dedup_cache_keys")]
+    pub dedup_cache_keys: usize,
+}
+
+/// About 10 MB of keys and positions.
+pub const DEFAULT_DEDUP_CACHE_KEYS: usize = 100_000;
+fn default_dedup_cache_keys() -> usize {
+    DEFAULT_DEDUP_CACHE_KEYS
 }
 
 /// 500 changes per transaction: large enough to amortize the commit,

@@ -512,10 +512,6 @@ async fn advance_slot(sql: &Client, slot_name: &str, lsn: u64) {
 
 /// A table's snapshot plan: its codec and the row ranges to copy.
 struct TablePlan {
-    /// The planning session, its transaction open: its ACCESS SHARE lock
-    /// keeps DDL (a dropped column) from breaking the copies until the
-    /// snapshot ends.
-    _lock: Client,
     table: String,
     oid: u32,
     codec: Arc<TableCodec>,
@@ -556,8 +552,8 @@ async fn plan_table(
         .await?;
     // The columns as they are now, not as of the snapshot: COPY resolves
     // names against the current catalog, and DDL committed after the
-    // snapshot but before the lock above must not break it. The lock keeps
-    // this stable until the snapshot ends.
+    // snapshot but before the lock above must not break it. Each copy
+    // checks them again under its own lock.
     let current = sql_session(&output.config).await?;
     let (oid, desc) = catalog::describe(&current, schema, name)
         .await?
@@ -592,9 +588,13 @@ async fn plan_table(
             chunks = block_chunks(&client, oid, n).await?;
         }
     }
+    // Locks are held only while planning and while each chunk copies: a
+    // lock held for the whole snapshot would queue our own copies behind
+    // an application's DDL waiting for it (a TRUNCATE), a deadlock no one
+    // detects.
+    client.batch_execute("COMMIT").await?;
     let codec = Arc::new(output.codec(desc).await?);
     Ok(TablePlan {
-        _lock: client,
         table: table.to_string(),
         oid,
         codec,
@@ -639,8 +639,9 @@ async fn key_chunks(
 
 /// `n` chunks by ranges of heap blocks (a TID range scan each), for tables
 /// without a single integer key. Rows the snapshot sees stay where they
-/// are while it runs: the ACCESS SHARE lock blocks VACUUM from truncating
-/// the table, and the last range is open for blocks added since.
+/// are while it runs: VACUUM cannot remove tuples the exported snapshot
+/// still sees (it may only cut empty pages off the end), and the last
+/// range is open for blocks added since.
 async fn block_chunks(client: &Client, oid: u32, n: i64) -> Result<Vec<Option<String>>, RunError> {
     let blocks: i64 = client
         .query_one(
@@ -842,6 +843,26 @@ async fn copy_chunk(
 ) -> Result<u64, RunError> {
     let client = snapshot_session(output, snapshot_name).await?;
     let table = codec.desc.qualified();
+    let qualified = format!(
+        "{}.{}",
+        slot::quote_ident(&codec.desc.schema),
+        slot::quote_ident(&codec.desc.table)
+    );
+    // Under this chunk's own lock, the columns must still be the planned
+    // ones: COPY reads the current catalog.
+    client
+        .batch_execute(&format!("LOCK TABLE {qualified} IN ACCESS SHARE MODE"))
+        .await?;
+    let current = sql_session(&output.config).await?;
+    let now = catalog::describe(&current, &codec.desc.schema, &codec.desc.table).await?;
+    drop(current);
+    let names = |d: &TableDesc| d.columns.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
+    if now.as_ref().map(|(_, d)| names(d)) != Some(names(&codec.desc)) {
+        return Err(RunError::Snapshot {
+            table,
+            message: "its columns changed during the snapshot (DDL); the next start takes the snapshot again".into(),
+        });
+    }
     let copy = format!(
         "COPY (SELECT {columns} FROM {}.{}{}) TO STDOUT",
         slot::quote_ident(&codec.desc.schema),

@@ -25,6 +25,35 @@ pub mod tail;
 
 /// Resolves on SIGINT or SIGTERM: the one shutdown trigger of every
 /// long-running command.
+/// SIGINT and SIGTERM, caught from the moment this is created (so a
+/// signal during start-up is not fatal) and awaited later.
+#[cfg(unix)]
+#[derive(Debug)]
+pub struct Shutdown {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+#[cfg(unix)]
+impl Shutdown {
+    pub fn install() -> std::io::Result<Shutdown> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Shutdown {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// Resolves once a signal arrived (or had arrived).
+    pub async fn requested(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {},
+            _ = self.int.recv() => {},
+        }
+        tracing::info!("shutdown requested");
+    }
+}
+
 pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;

@@ -23,6 +23,8 @@ pub const KAFKA_TRANSACTIONS: &str = "pgcdc_kafka_transactions_total";
 pub const MATERIALIZE_APPLIED: &str = "pgcdc_materialize_applied_total";
 /// Changes skipped because their position was already applied.
 pub const MATERIALIZE_DUPLICATES: &str = "pgcdc_materialize_duplicates_total";
+/// Duplicates recognised by the in-process tier, without a database look-up.
+pub const MATERIALIZE_FAST_TIER_HITS: &str = "pgcdc_materialize_fast_tier_hits_total";
 /// Records sent to the dead-letter topic.
 pub const MATERIALIZE_DEAD_LETTERED: &str = "pgcdc_materialize_dead_lettered_total";
 /// Seconds per applied batch (one database transaction).
@@ -62,6 +64,10 @@ fn describe() {
         "Records sent to the dead-letter topic"
     );
     metrics::describe_histogram!(MATERIALIZE_BATCH_SECONDS, "Seconds per applied batch");
+    metrics::describe_counter!(
+        MATERIALIZE_FAST_TIER_HITS,
+        "Duplicates recognised by the in-process dedup tier"
+    );
     metrics::describe_gauge!(
         SLOT_STALLED,
         "1 while the slot's confirmed LSN stands still as WAL grows"

@@ -590,27 +590,43 @@ async fn toast_full_identity_truncate_and_schema_changes_are_carried_faithfully(
     db.drop_db().await;
 }
 
+/// `public.big`: `rows` rows, analyzed so the planner's estimate is right.
+async fn big_table(client: &tokio_postgres::Client, rows: i64) {
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.big (id bigint PRIMARY KEY, v text);
+             INSERT INTO public.big SELECT g, md5(g::text) FROM generate_series(1, {rows}) g;
+             ANALYZE public.big;"
+        ))
+        .await
+        .expect("table");
+}
+
+/// A pipeline of `public.big` copied in chunks of `chunk_rows`, `workers`
+/// at a time.
+fn chunked_pipeline(
+    stack: &support::Stack,
+    db: &TestDb,
+    chunk_rows: u64,
+    workers: usize,
+) -> (ConfigFile, pgcdc::config::Config) {
+    let toml = support::pipeline_toml(stack, &db.url, &db.name, &["public.big"]).replace(
+        "[kafka]",
+        &format!("[source.snapshot]\nchunk_rows = {chunk_rows}\nworkers = {workers}\n[kafka]"),
+    );
+    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    (ConfigFile::write(&toml), parsed)
+}
+
 #[tokio::test]
 async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
     const ROWS: i64 = 200_000;
     let stack = support::stack();
     let db = TestDb::create(&stack, "run_snapkill").await;
     let client = db.client().await;
-    client
-        .batch_execute(&format!(
-            "CREATE TABLE public.big (id bigint PRIMARY KEY, v text);
-             INSERT INTO public.big SELECT g, md5(g::text) FROM generate_series(1, {ROWS}) g;
-             ANALYZE public.big;"
-        ))
-        .await
-        .expect("table");
+    big_table(&client, ROWS).await;
     // Chunks of about 30,000 rows, copied two at a time.
-    let config_toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.big"]).replace(
-        "[kafka]",
-        "[source.snapshot]\nchunk_rows = 30000\nworkers = 2\n[kafka]",
-    );
-    let config = ConfigFile::write(&config_toml);
-    let parsed = pgcdc::config::Config::from_toml(&config_toml, "test", &[]).expect("config");
+    let (config, parsed) = chunked_pipeline(&stack, &db, 30_000, 2);
     let topic = format!("{}.public.big", db.name);
     let markers = pgcdc::snapshot_marker::topic(&parsed);
 
@@ -789,6 +805,43 @@ async fn an_incompatible_schema_change_stops_the_connector_before_producing_it()
     let connector = ConnectorProcess::start(&config);
     let records = support::read_topic(&stack, &topic, 2, Duration::from_secs(60)).await;
     assert_eq!(records.len(), 2);
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_truncate_during_the_snapshot_neither_deadlocks_nor_loses_the_truncate() {
+    const ROWS: i64 = 200_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_snapddl").await;
+    let client = db.client().await;
+    big_table(&client, ROWS).await;
+    // Ten chunks, one at a time: the truncate lands between or during them.
+    let (config, parsed) = chunked_pipeline(&stack, &db, 20_000, 1);
+    let topic = format!("{}.public.big", db.name);
+    let connector = ConnectorProcess::start(&config);
+    support::read_topic(&stack, &topic, 1000, Duration::from_secs(120)).await;
+    // An application's TRUNCATE, mid-snapshot. It waits at most for the
+    // chunk being copied; the snapshot must go on and complete.
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        client.batch_execute("TRUNCATE public.big"),
+    )
+    .await
+    .expect("the TRUNCATE waited for more than the chunk in progress")
+    .expect("truncate");
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        support::wait_snapshot_completed(&parsed),
+    )
+    .await
+    .expect("the snapshot stalled after a TRUNCATE");
+    // The stream carries the truncate after the snapshot's rows.
+    let records = support::read_topic_until(&stack, &topic, Duration::from_secs(60), |r| {
+        r.iter().any(|r| r.key.is_none() && r.value.is_some())
+    })
+    .await;
+    assert!(!records.is_empty());
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }

@@ -93,7 +93,8 @@ async fn differences(
 }
 
 async fn wait_converged(source: &tokio_postgres::Client, target: &tokio_postgres::Client) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(240);
+    // Generous: in debug builds, beside the other tests, on two cores.
+    let deadline = std::time::Instant::now() + Duration::from_secs(600);
     loop {
         // Target tables appear once the materializer has started.
         let ready = target
@@ -302,4 +303,139 @@ async fn mirrors_and_read_models_converge_and_a_replay_applies_nothing_twice() {
     assert_eq!(connector.terminate().await, 0);
     source_db.drop_db().await;
     target_db.drop_db().await;
+}
+
+/// Seeds the demo schema with `customers` customers and `orders` orders.
+async fn seed(client: &tokio_postgres::Client, customers: i64, orders: i64) {
+    support::apply_sql_file(client, "sql/demo/schema.sql").await;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO public.customers SELECT g, 'customer ' || g, 'bronze', g % 5 FROM generate_series(1, {customers}) g;
+             INSERT INTO public.orders (id, customer_id, amount, status)
+             SELECT 1000000 + g, 1 + g % {customers}, g % 500 + 0.25, 'new' FROM generate_series(0, {orders} - 1) g;"
+        ))
+        .await
+        .expect("seed");
+}
+
+/// Runs the workload on its own connection in the background.
+fn background_workload(url: &str, changes: usize, seed: u64) -> tokio::task::JoinHandle<()> {
+    let url = url.to_string();
+    tokio::spawn(async move {
+        let client = support::connect(&url).await;
+        workload(&client, changes, seed).await;
+    })
+}
+
+#[tokio::test]
+async fn a_materializer_killed_at_random_points_still_converges() {
+    let stack = support::stack();
+    let source_db = TestDb::create(&stack, "mat_kill_src").await;
+    let target_db = TestDb::create(&stack, "mat_kill_tgt").await;
+    let source = source_db.client().await;
+    seed(&source, 999, 2000).await;
+    let target = target_db.client().await;
+    let config = ConfigFile::write(
+        &pipeline(&stack, &source_db, &target_db).replace("batch_size = 200", "batch_size = 50"),
+    );
+    let connector = ConnectorProcess::start(&config);
+    let work = background_workload(&source_db.url, 20_000, 0x2545_f491_4f6c_dd1d);
+    let mut rng = Rng(0xdead_beef_cafe_f00d);
+    for _ in 0..10 {
+        let mut m = materializer(&config, &[], &[]);
+        tokio::time::sleep(Duration::from_millis(800 + rng.below(2000))).await;
+        let _ = m.start_kill(); // SIGKILL
+        let _ = m.wait().await;
+    }
+    work.await.expect("workload");
+    let last = materializer(&config, &[], &[]);
+    wait_converged(&source, &target).await;
+    assert_eq!(terminate(last).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+#[tokio::test]
+async fn two_materializers_in_one_group_never_both_apply_a_change() {
+    let stack = support::stack();
+    let source_db = TestDb::create(&stack, "mat_race_src").await;
+    let target_db = TestDb::create(&stack, "mat_race_tgt").await;
+    let source = source_db.client().await;
+    seed(&source, 500, 1000).await;
+    let target = target_db.client().await;
+    let config = ConfigFile::write(&pipeline(&stack, &source_db, &target_db));
+    let connector = ConnectorProcess::start(&config);
+    let (a_addr, b_addr) = (
+        format!("127.0.0.1:{}", support::free_port()),
+        format!("127.0.0.1:{}", support::free_port()),
+    );
+    let a = materializer(&config, &["--metrics-addr", &a_addr], &[]);
+    let work = background_workload(&source_db.url, 10_000, 0x0123_4567_89ab_cdef);
+    // B joins mid-stream, and a third instance comes and goes: each join
+    // and leave is a rebalance while changes flow.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let b = materializer(&config, &["--metrics-addr", &b_addr], &[]);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let c_addr = format!("127.0.0.1:{}", support::free_port());
+    let c = materializer(&config, &["--metrics-addr", &c_addr], &[]);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let c_applied = counter(&c_addr, "pgcdc_materialize_applied_total").await;
+    assert_eq!(terminate(c).await, Some(0));
+    work.await.expect("workload");
+    wait_converged(&source, &target).await;
+    let applied = c_applied
+        + counter(&a_addr, "pgcdc_materialize_applied_total").await
+        + counter(&b_addr, "pgcdc_materialize_applied_total").await;
+    assert_eq!(terminate(a).await, Some(0));
+    assert_eq!(terminate(b).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    // Every change event, counted in the topics: if no change was applied
+    // by two instances, the applied total cannot exceed it. (C stopped
+    // cleanly, so its count covers everything it committed.)
+    let mut events = 0usize;
+    for table in ["customers", "orders"] {
+        let topic = format!("{}.public.{table}", source_db.name);
+        let total = end_offsets(&stack, &topic).await;
+        let records =
+            support::read_topic_until(&stack, &topic, Duration::from_secs(120), move |r| {
+                r.len() as i64 >= total
+            })
+            .await;
+        events += records.iter().filter(|r| r.value.is_some()).count();
+    }
+    assert!(applied > 0.0);
+    assert!(
+        applied <= events as f64,
+        "{applied} applications of {events} change events"
+    );
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+/// The sum of a topic's partition end offsets.
+async fn end_offsets(stack: &Stack, topic: &str) -> i64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let (brokers, topic) = (stack.brokers.clone(), topic.to_string());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .create()
+            .expect("consumer");
+        let md = consumer
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .expect("metadata");
+        md.topics()
+            .iter()
+            .flat_map(|t| t.partitions())
+            .map(|p| {
+                consumer
+                    .fetch_watermarks(&topic, p.id(), Duration::from_secs(10))
+                    .expect("watermarks")
+                    .1
+            })
+            .sum()
+    })
+    .await
+    .expect("watermarks task")
 }

@@ -3,27 +3,36 @@
 //!
 //! Guarantees:
 //! - **Exactly-once effects.** A batch of changes is applied in one
-//!   database transaction: mirror writes (under the position guard of
-//!   [`mirror`]), tombstones and view recomputes together. Kafka offsets
-//!   are committed only after that transaction commits. A redelivered
+//!   serializable database transaction: mirror writes (under the position
+//!   guard of [`mirror`]), tombstones and view recomputes together; a
+//!   serialization failure (another instance's batch touched what a view
+//!   read) redoes the batch. Kafka offsets are committed only after that
+//!   transaction commits. A redelivered
 //!   change (after a crash, a rebalance, a reset of the group's offsets)
 //!   carries a position that is not newer than the stored one and is
 //!   skipped; two instances racing on one key serialize on a lock.
+//! - **Two dedup tiers.** An in-process LRU of recently committed
+//!   positions ([`recent`]) answers "already applied" without a database
+//!   round trip; a miss or an eviction always falls through to the durable
+//!   positions stored with the rows.
 //! - **Nothing vanishes.** A change the target rejects (a constraint, a
 //!   value it cannot take) or a record that cannot be decoded goes to
 //!   `<prefix>.dlq` with its failure class, error, origin and position in
-//!   the headers, and Kafka acknowledges it before the batch commits. The
-//!   partition moves on.
+//!   the headers. It is produced after the database commit and
+//!   acknowledged before the offsets move, so a crash in between
+//!   redelivers it, it fails again, and it is sent again. The partition
+//!   moves on.
 //!
 //! ```text
 //!  changelog topics ──► consumer group ──► decode (schema cache by id)
 //!        │                                        │
 //!        │              BEGIN ── guard ─► mirror ─┴─► affected keys ─► views ── COMMIT
-//!        │                          └─ rejected ─► <prefix>.dlq (acknowledged first)
-//!        └──────────────── commit offsets ◄──────────────────────────────────────┘
+//!        │                          └─ rejected ───────────────────────────────► <prefix>.dlq
+//!        └──────────────── commit offsets ◄──────────────────────────────────────────┘
 //! ```
 
 pub mod mirror;
+pub mod recent;
 pub mod shape;
 pub mod view;
 
@@ -100,6 +109,7 @@ struct State {
     mirrors: HashMap<String, Mirror>,
     views: Vec<View>,
     statements: Statements,
+    recent: recent::Recent,
 }
 
 impl State {
@@ -319,6 +329,9 @@ async fn mirror_for(
 
 /// Runs until SIGINT/SIGTERM or an infrastructure error.
 pub async fn run(config: Config) -> Result<(), MaterializeError> {
+    // First of all, so a stop request during start-up ends cleanly.
+    let mut shutdown = crate::Shutdown::install()
+        .map_err(|e| MaterializeError::Config(format!("signals: {e}")))?;
     let config = Arc::new(config);
     let target = config
         .target
@@ -372,14 +385,13 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         mirrors,
         views,
         statements: Statements::default(),
+        recent: recent::Recent::new(target.dedup_cache_keys),
     };
-    let shutdown = crate::shutdown_signal();
-    tokio::pin!(shutdown);
     let mut last_sweep = Instant::now();
     loop {
         // A batch: wait for one message, then take what else is ready.
         let first = tokio::select! {
-            _ = &mut shutdown => break,
+            _ = shutdown.requested() => break,
             m = consumer.recv() => m?.detach(),
         };
         let mut batch = vec![first];
@@ -461,15 +473,92 @@ async fn apply_batch(
             Err(f) => dead.push((i, f)),
         }
     }
-    let mut tx = db.transaction().await?;
-    let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
+    let mut attempt = 0u32;
+    let done = loop {
+        attempt += 1;
+        match apply_once(state, db, batch, &changes).await {
+            Ok(done) => break done,
+            // Another instance's transaction touched what this one read (a
+            // view joining rows of two partitions): redo the batch.
+            Err(MaterializeError::Postgres(e)) if is_retryable(&e) && attempt < 20 => {
+                tracing::debug!(attempt, error = %crate::source::error_text(&e), "batch conflicted; retrying");
+                tokio::time::sleep(Duration::from_millis(10 * u64::from(attempt))).await;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    dead.extend(done.dead);
+    // After the commit and before the offsets move: a crash in between
+    // redelivers these records, which fail again and are sent again, so a
+    // rejected change never vanishes.
+    for (i, f) in &dead {
+        dead_letter(producer, dlq, &batch[*i], f).await?;
+    }
+    for (key, position) in done.committed {
+        state.recent.committed(key, position);
+    }
+    metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
+    metrics::counter!(observe::MATERIALIZE_APPLIED).increment(done.applied);
+    metrics::counter!(observe::MATERIALIZE_DUPLICATES).increment(done.duplicates);
+    metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(dead.len() as u64);
+    Ok(())
+}
+
+/// Serialization failures and deadlocks: the batch can simply be redone.
+fn is_retryable(e: &tokio_postgres::Error) -> bool {
+    e.code().is_some_and(|c| {
+        *c == tokio_postgres::error::SqlState::T_R_SERIALIZATION_FAILURE
+            || *c == tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED
+    })
+}
+
+/// What one committed attempt at a batch did.
+struct Done {
+    committed: Vec<(String, mirror::Position)>,
+    dead: Vec<(usize, Failure)>,
+    applied: u64,
+    duplicates: u64,
+    fast_hits: u64,
+}
+
+/// Applies a batch in one serializable transaction and commits it.
+async fn apply_once(
+    state: &mut State,
+    db: &mut Client,
+    batch: &[rdkafka::message::OwnedMessage],
+    changes: &[(usize, Change)],
+) -> Result<Done, MaterializeError> {
+    // Serializable: two instances recomputing a view from rows of
+    // different partitions must not each miss the other's change.
+    let mut tx = db
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::Serializable)
+        .start()
+        .await?;
+    let (views, mirrors, statements, recent) = (
+        &state.views,
+        &state.mirrors,
+        &mut state.statements,
+        &mut state.recent,
+    );
+    let mut dead: Vec<(usize, Failure)> = Vec::new();
+    let mut committed: Vec<(String, mirror::Position)> = Vec::new();
+    let mut fast_hits = 0u64;
     let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
     let (mut applied, mut duplicates) = (0u64, 0u64);
-    for (i, change) in &changes {
+    for (i, change) in changes {
         let topic = batch[*i].topic();
         let Some(m) = mirrors.get(topic) else {
             continue;
         };
+        let cache_key = format!("{}|{}", m.qualified, m.key_text(&change.key));
+        // The fast tier can only say "applied"; everything else is checked
+        // against the durable positions below.
+        if change.op != "t" && recent.applied(&cache_key, change.position) {
+            duplicates += 1;
+            fast_hits += 1;
+            continue;
+        }
         let sp = tx.savepoint("change").await?;
         let result: Result<Outcome, tokio_postgres::Error> = async {
             if change.op == "t" {
@@ -512,7 +601,12 @@ async fn apply_batch(
             Ok(outcome) => {
                 sp.commit().await?;
                 match outcome {
-                    Outcome::Applied => applied += 1,
+                    Outcome::Applied => {
+                        applied += 1;
+                        if change.op != "t" {
+                            committed.push((cache_key, change.position));
+                        }
+                    }
                     Outcome::Duplicate => duplicates += 1,
                 }
             }
@@ -535,18 +629,19 @@ async fn apply_batch(
     for (v, view) in views.iter().enumerate() {
         view.recompute(&tx, &affected[v])
             .await
-            .map_err(MaterializeError::Schema)?;
-    }
-    // Dead letters are durable in Kafka before the batch (and its offsets)
-    // commit: a rejected change never vanishes.
-    for (i, f) in &dead {
-        dead_letter(producer, dlq, &batch[*i], f).await?;
+            .map_err(|e| match e {
+                view::ViewError::Db(e) => MaterializeError::Postgres(e),
+                view::ViewError::Key(k) => MaterializeError::Schema(k),
+            })?;
     }
     tx.commit().await?;
-    metrics::counter!(observe::MATERIALIZE_APPLIED).increment(applied);
-    metrics::counter!(observe::MATERIALIZE_DUPLICATES).increment(duplicates);
-    metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(dead.len() as u64);
-    Ok(())
+    Ok(Done {
+        committed,
+        dead,
+        applied,
+        duplicates,
+        fast_hits,
+    })
 }
 
 async fn dead_letter(

@@ -16,6 +16,16 @@ use crate::source::slot::quote_ident;
 
 use super::mirror::Mirror;
 
+/// A recompute that failed: in the database (maybe retryable), or on a
+/// key that does not fit the query's parameter.
+#[derive(Debug, thiserror::Error)]
+pub enum ViewError {
+    #[error("{}", crate::source::error_text(.0))]
+    Db(#[from] tokio_postgres::Error),
+    #[error("{0}")]
+    Key(String),
+}
+
 /// How a changed source row maps to view keys.
 #[derive(Debug, Clone)]
 pub enum Mapping {
@@ -268,12 +278,13 @@ impl View {
         &self,
         client: &impl GenericClient,
         keys: &BTreeSet<String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ViewError> {
         if keys.is_empty() {
             return Ok(());
         }
         let keys: Vec<String> = keys.iter().cloned().collect();
-        let del = bind_many(&self.delete_param, &keys)?;
+        let key_error = |e: String| ViewError::Key(format!("read model {}: {e}", self.name));
+        let del = bind_many(&self.delete_param, &keys).map_err(key_error)?;
         client
             .execute(
                 &format!(
@@ -283,28 +294,14 @@ impl View {
                 ),
                 &[del.as_ref() as &(dyn ToSql + Sync)],
             )
-            .await
-            .map_err(|e| {
-                format!(
-                    "read model {}: {}",
-                    self.name,
-                    crate::source::error_text(&e)
-                )
-            })?;
-        let ins = bind_many(&self.param, &keys)?;
+            .await?;
+        let ins = bind_many(&self.param, &keys).map_err(key_error)?;
         client
             .execute(
                 &format!("INSERT INTO {} {}", self.qualified, self.query),
                 &[ins.as_ref() as &(dyn ToSql + Sync)],
             )
-            .await
-            .map_err(|e| {
-                format!(
-                    "read model {}: {}",
-                    self.name,
-                    crate::source::error_text(&e)
-                )
-            })?;
+            .await?;
         Ok(())
     }
 }
