@@ -45,13 +45,14 @@ pub struct Mirror {
 }
 
 impl Mirror {
+    /// `table` is the mirror's name in `mirror_schema` (see [`mirror_names`]).
     pub fn new(
         mirror_schema: &str,
+        table: &str,
         source: &str,
         columns: Vec<Column>,
         key: &[String],
     ) -> Result<Mirror, String> {
-        let table = source.split_once('.').map_or(source, |(_, t)| t);
         let key = key
             .iter()
             .map(|k| {
@@ -130,6 +131,26 @@ impl Mirror {
     pub fn key_text(&self, key: &[String]) -> String {
         serde_json::to_string(key).unwrap_or_default()
     }
+}
+
+/// Mirror table names: the source table's name, or `<schema>_<table>`
+/// when two captured tables share a name.
+pub fn mirror_names(sources: &[String]) -> Vec<String> {
+    let table = |s: &str| {
+        s.split_once('.')
+            .map_or(s.to_string(), |(_, t)| t.to_string())
+    };
+    sources
+        .iter()
+        .map(|s| {
+            let shared = sources.iter().filter(|o| table(o) == table(s)).count() > 1;
+            if shared {
+                s.replacen('.', "_", 1)
+            } else {
+                table(s)
+            }
+        })
+        .collect()
 }
 
 /// What happened to a change.
@@ -346,4 +367,22 @@ pub async fn truncate(
     )
     .await?;
     Ok(Outcome::Applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mirror_names_stay_distinct_across_schemas() {
+        let sources = vec![
+            "public.orders".to_string(),
+            "sales.orders".to_string(),
+            "public.customers".to_string(),
+        ];
+        assert_eq!(
+            mirror_names(&sources),
+            vec!["public_orders", "sales_orders", "customers"]
+        );
+    }
 }

@@ -18,16 +18,15 @@
 //! - **Nothing vanishes.** A change the target rejects (a constraint, a
 //!   value it cannot take) or a record that cannot be decoded goes to
 //!   `<prefix>.dlq` with its failure class, error, origin and position in
-//!   the headers. It is produced after the database commit and
-//!   acknowledged before the offsets move, so a crash in between
-//!   redelivers it, it fails again, and it is sent again. The partition
-//!   moves on.
+//!   the headers, and Kafka acknowledges it before the batch commits. The
+//!   partition moves on. An unreachable registry is not the record's
+//!   fault: the batch stops and nothing is dead-lettered.
 //!
 //! ```text
 //!  changelog topics ──► consumer group ──► decode (schema cache by id)
 //!        │                                        │
 //!        │              BEGIN ── guard ─► mirror ─┴─► affected keys ─► views ── COMMIT
-//!        │                          └─ rejected ───────────────────────────────► <prefix>.dlq
+//!        │                          └─ rejected ─► <prefix>.dlq (acknowledged before COMMIT)
 //!        └──────────────── commit offsets ◄──────────────────────────────────────────┘
 //! ```
 
@@ -85,6 +84,10 @@ struct Writer {
     names: HashMap<String, Json>,
 }
 
+/// Not the record's fault: the batch stops, nothing is dead-lettered, and
+/// the offsets stay, so a restart retries.
+const REGISTRY_UNAVAILABLE: &str = "registry_unavailable";
+
 /// Why a message went to the dead-letter topic.
 struct Failure {
     class: &'static str,
@@ -118,7 +121,12 @@ impl State {
             return Ok(w.clone());
         }
         let text = self.registry.schema_by_id(id).await.map_err(|e| Failure {
-            class: "unknown_schema",
+            // Only an id the registry does not know is the record's fault;
+            // an unreachable or failing registry is retried (see `Failure`).
+            class: match e {
+                ClientError::Refused { status: 404, .. } => "unknown_schema",
+                _ => REGISTRY_UNAVAILABLE,
+            },
             error: e.to_string(),
             position: None,
         })?;
@@ -284,6 +292,7 @@ async fn mirror_for(
     config: &Config,
     table: &str,
     mirror_schema: &str,
+    mirror_table: &str,
 ) -> Result<Mirror, MaterializeError> {
     let topic = config.topic_for(table);
     let value = latest_schema(registry, &format!("{topic}-value")).await?;
@@ -324,7 +333,8 @@ async fn mirror_for(
                 .collect()
         })
         .unwrap_or_default();
-    Mirror::new(mirror_schema, table, columns, &key_names).map_err(MaterializeError::Schema)
+    Mirror::new(mirror_schema, mirror_table, table, columns, &key_names)
+        .map_err(MaterializeError::Schema)
 }
 
 /// Runs until SIGINT/SIGTERM or an infrastructure error.
@@ -346,8 +356,9 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     .await?;
     let registry = RegistryClient::new(&config.registry)?;
     let mut mirrors = HashMap::new();
-    for table in &config.source.tables {
-        let m = mirror_for(&registry, &config, table, &target.mirror_schema).await?;
+    let names = mirror::mirror_names(&config.source.tables);
+    for (table, name) in config.source.tables.iter().zip(&names) {
+        let m = mirror_for(&registry, &config, table, &target.mirror_schema, name).await?;
         m.ensure(&db).await?;
         mirrors.insert(config.topic_for(table), m);
     }
@@ -470,13 +481,21 @@ async fn apply_batch(
         let Some(value) = m.payload() else { continue };
         match state.decode(m.topic(), value).await {
             Ok(c) => changes.push((i, c)),
+            Err(f) if f.class == REGISTRY_UNAVAILABLE => {
+                return Err(MaterializeError::Schema(f.error));
+            }
             Err(f) => dead.push((i, f)),
         }
+    }
+    // Undecodable records are durable in the dead-letter topic before the
+    // batch commits (a redelivery fails and sends them again).
+    for (i, f) in &dead {
+        dead_letter(producer, dlq, &batch[*i], f).await?;
     }
     let mut attempt = 0u32;
     let done = loop {
         attempt += 1;
-        match apply_once(state, db, batch, &changes).await {
+        match apply_once(state, db, producer, dlq, batch, &changes).await {
             Ok(done) => break done,
             // Another instance's transaction touched what this one read (a
             // view joining rows of two partitions): redo the batch.
@@ -488,12 +507,6 @@ async fn apply_batch(
         }
     };
     dead.extend(done.dead);
-    // After the commit and before the offsets move: a crash in between
-    // redelivers these records, which fail again and are sent again, so a
-    // rejected change never vanishes.
-    for (i, f) in &dead {
-        dead_letter(producer, dlq, &batch[*i], f).await?;
-    }
     for (key, position) in done.committed {
         state.recent.committed(key, position);
     }
@@ -525,6 +538,8 @@ struct Done {
 async fn apply_once(
     state: &mut State,
     db: &mut Client,
+    producer: &sink::Producer,
+    dlq: &str,
     batch: &[rdkafka::message::OwnedMessage],
     changes: &[(usize, Change)],
 ) -> Result<Done, MaterializeError> {
@@ -633,6 +648,14 @@ async fn apply_once(
                 view::ViewError::Db(e) => MaterializeError::Postgres(e),
                 view::ViewError::Key(k) => MaterializeError::Schema(k),
             })?;
+    }
+    // Rejected changes are durable in the dead-letter topic before the
+    // batch commits: once it has, a newer change of the same key would
+    // make a redelivered rejected one look like a duplicate. (A retried
+    // attempt may send one twice; the dead-letter workflow deduplicates
+    // by origin offset.)
+    for (i, f) in &dead {
+        dead_letter(producer, dlq, &batch[*i], f).await?;
     }
     tx.commit().await?;
     Ok(Done {

@@ -204,8 +204,8 @@ fn render(v: &Value, schema: &Json, names: &HashMap<String, Json>) -> Result<Str
         }
         Value::Date(days) => date_text(i64::from(*days)),
         Value::TimeMicros(us) => time_text(*us),
-        Value::TimestampMicros(us) => format!("{}+00", timestamp_text(*us)),
-        Value::LocalTimestampMicros(us) => timestamp_text(*us),
+        Value::TimestampMicros(us) => timestamp_text(*us, "+00"),
+        Value::LocalTimestampMicros(us) => timestamp_text(*us, ""),
         Value::Array(items) => {
             let item_schema = schema.get("items").unwrap_or(&Json::Null);
             let mut parts = Vec::with_capacity(items.len());
@@ -249,9 +249,28 @@ fn civil_from_days(z: i64) -> (i64, i64, i64) {
     (y, m, d)
 }
 
-fn date_text(days: i64) -> String {
+/// `YYYY-MM-DD`, and whether the date is BC (Postgres writes year 0 as
+/// 1 BC, year -1 as 2 BC, with " BC" after the time and zone).
+fn date_parts(days: i64) -> (String, bool) {
     let (y, m, d) = civil_from_days(days);
-    format!("{y:04}-{m:02}-{d:02}")
+    if y <= 0 {
+        (format!("{:04}-{m:02}-{d:02}", 1 - y), true)
+    } else {
+        (format!("{y:04}-{m:02}-{d:02}"), false)
+    }
+}
+
+fn bc(is_bc: bool) -> &'static str {
+    if is_bc {
+        " BC"
+    } else {
+        ""
+    }
+}
+
+fn date_text(days: i64) -> String {
+    let (date, is_bc) = date_parts(days);
+    format!("{date}{}", bc(is_bc))
 }
 
 fn time_text(us: i64) -> String {
@@ -264,12 +283,13 @@ fn time_text(us: i64) -> String {
     )
 }
 
-fn timestamp_text(us: i64) -> String {
+fn timestamp_text(us: i64, zone: &str) -> String {
     let day_us = 86_400_000_000;
+    let (date, is_bc) = date_parts(us.div_euclid(day_us));
     format!(
-        "{} {}",
-        date_text(us.div_euclid(day_us)),
-        time_text(us.rem_euclid(day_us))
+        "{date} {}{zone}{}",
+        time_text(us.rem_euclid(day_us)),
+        bc(is_bc)
     )
 }
 
@@ -285,10 +305,17 @@ mod tests {
         assert_eq!(date_text(-1), "1969-12-31");
         assert_eq!(time_text(45_296_789_012), "12:34:56.789012");
         assert_eq!(
-            timestamp_text(1_706_704_496_789_012),
+            timestamp_text(1_706_704_496_789_012, ""),
             "2024-01-31 12:34:56.789012"
         );
-        assert_eq!(timestamp_text(-1), "1969-12-31 23:59:59.999999");
+        assert_eq!(timestamp_text(-1, "+00"), "1969-12-31 23:59:59.999999+00");
+        // The day before 0001-01-01 is the last day of 1 BC (year 0).
+        assert_eq!(date_text(-719_162), "0001-01-01");
+        assert_eq!(date_text(-719_163), "0001-12-31 BC");
+        assert_eq!(
+            timestamp_text(-719_163 * 86_400_000_000, "+00"),
+            "0001-12-31 00:00:00.000000+00 BC"
+        );
     }
 
     #[test]
