@@ -861,7 +861,8 @@ async fn insert_lsn(client: &tokio_postgres::Client) -> String {
 async fn confirmed_reached(client: &tokio_postgres::Client, slot: &str, target: &str) -> bool {
     client
         .query_one(
-            "SELECT confirmed_flush_lsn >= $2::text::pg_lsn FROM pg_replication_slots WHERE slot_name = $1",
+            // NULL while the slot is still being created.
+            "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot, &target],
         )
         .await

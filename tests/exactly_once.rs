@@ -103,7 +103,7 @@ async fn wait_offset_beyond(config: &pgcdc::config::Config, lsn: u64) {
 async fn confirmed_flush(client: &tokio_postgres::Client, slot: &str) -> u64 {
     let lsn: String = client
         .query_one(
-            "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+            "SELECT coalesce(confirmed_flush_lsn, '0/0')::text FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
         .await
