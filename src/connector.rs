@@ -864,9 +864,7 @@ async fn copy_chunk(
         });
     }
     let copy = format!(
-        "COPY (SELECT {columns} FROM {}.{}{}) TO STDOUT",
-        slot::quote_ident(&codec.desc.schema),
-        slot::quote_ident(&codec.desc.table),
+        "COPY (SELECT {columns} FROM {qualified}{}) TO STDOUT",
         condition.map(|c| format!(" WHERE {c}")).unwrap_or_default()
     );
     let stream = client.copy_out(&copy).await?;

@@ -61,10 +61,7 @@ pub fn transactional_id(config: &Config) -> String {
 
 /// Creates the offsets topic: one partition, compacted.
 pub async fn ensure_topic(config: &Config) -> Result<(), rdkafka::error::KafkaError> {
-    let mut kafka = config.kafka.clone();
-    kafka.partitions = 1;
-    kafka.cleanup_policy = crate::config::CleanupPolicy::Compact;
-    sink::ensure_topics(&kafka, &[topic(config)]).await
+    sink::ensure_state_topic(&config.kafka, &topic(config)).await
 }
 
 /// Produces an offset record into the open Kafka transaction.

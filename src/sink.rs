@@ -275,6 +275,16 @@ pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[String]) -> Result<(),
     Ok(())
 }
 
+/// Creates a state topic of ours (snapshot markers, connector offsets):
+/// one partition, compacted, so the latest record of every key is kept
+/// for good.
+pub async fn ensure_state_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), KafkaError> {
+    let mut kafka = kafka.clone();
+    kafka.partitions = 1;
+    kafka.cleanup_policy = crate::config::CleanupPolicy::Compact;
+    ensure_topics(&kafka, &[topic.to_string()]).await
+}
+
 /// The value of the latest record with `key` in partition 0 of a
 /// single-partition compacted topic, reading it from the beginning with
 /// `read_committed` (records of aborted Kafka transactions are invisible).

@@ -54,10 +54,7 @@ pub fn topic(config: &Config) -> String {
 /// Creates the marker topic: one partition, compacted, so the latest marker
 /// of every slot is kept for good.
 pub async fn ensure_topic(config: &Config) -> Result<(), rdkafka::error::KafkaError> {
-    let mut kafka = config.kafka.clone();
-    kafka.partitions = 1;
-    kafka.cleanup_policy = crate::config::CleanupPolicy::Compact;
-    sink::ensure_topics(&kafka, &[topic(config)]).await
+    sink::ensure_state_topic(&config.kafka, &topic(config)).await
 }
 
 /// Writes a marker and waits for Kafka to acknowledge it.

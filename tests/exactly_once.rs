@@ -17,7 +17,7 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;
 use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
-use crate::support::{self, ConfigFile, ConnectorProcess, Decoder, Stack, TestDb};
+use crate::support::{self, field, ConfigFile, ConnectorProcess, Decoder, Stack, TestDb};
 
 type Mock = MockCluster<'static, DefaultProducerContext>;
 
@@ -128,21 +128,6 @@ async fn wait_inactive(client: &tokio_postgres::Client, slot: &str) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     panic!("slot {slot} stayed active");
-}
-
-fn field<'a>(v: &'a Value, name: &str) -> &'a Value {
-    let v = match v {
-        Value::Union(_, inner) => inner.as_ref(),
-        other => other,
-    };
-    let Value::Record(fields) = v else {
-        panic!("not a record: {v:?}")
-    };
-    let found = &fields.iter().find(|(n, _)| n == name).expect(name).1;
-    match found {
-        Value::Union(_, inner) => inner,
-        other => other,
-    }
 }
 
 /// Reads the changelog as a `read_committed` consumer until `ids`

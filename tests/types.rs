@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use apache_avro::types::Value;
 
-use crate::support::{self, ConfigFile, ConnectorProcess, Decoder, TestDb};
+use crate::support::{self, field, ConfigFile, ConnectorProcess, Decoder, TestDb};
 
 const SCHEMA: &str = "
 CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy');
@@ -61,25 +61,6 @@ const SCHEMA_MARKS: &[&str] = &[
     r#""connect.name":"io.debezium.data.geometry.Point""#,
     r#""connect.name":"org.apache.kafka.connect.data.Decimal""#,
 ];
-
-fn field<'a>(v: &'a Value, name: &str) -> &'a Value {
-    let v = match v {
-        Value::Union(_, inner) => inner.as_ref(),
-        other => other,
-    };
-    let Value::Record(fields) = v else {
-        panic!("not a record: {v:?}")
-    };
-    let found = fields
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, v)| v)
-        .unwrap_or_else(|| panic!("no field {name}"));
-    match found {
-        Value::Union(_, inner) => inner.as_ref(),
-        other => other,
-    }
-}
 
 #[tokio::test]
 async fn every_type_family_round_trips_without_loss() {

@@ -80,7 +80,8 @@ pub fn dlq_topic(config: &Config) -> String {
 /// A decoded writer schema.
 struct Writer {
     schema: Schema,
-    json: Json,
+    /// The row record's schema (the non-null branch of `after`).
+    row: Json,
     names: HashMap<String, Json>,
 }
 
@@ -141,7 +142,7 @@ impl State {
         shape::named_types(&json, "", &mut names);
         let w = Arc::new(Writer {
             schema,
-            json,
+            row: shape::row_schema(&json, &names).unwrap_or(Json::Null),
             names,
         });
         self.writers.insert(id, w.clone());
@@ -194,19 +195,8 @@ impl State {
             .get(topic)
             .ok_or_else(|| bad(format!("no mirror for topic {topic}")))?;
         // The row record's field schemas, by name, from the writer schema.
-        let row_schema = w.json["fields"]
-            .as_array()
-            .and_then(|f| f.iter().find(|f| f["name"] == "after"))
-            .map(|f| &f["type"])
-            .and_then(|t| t.as_array())
-            .and_then(|branches| branches.iter().find(|b| b != &&Json::String("null".into())))
-            .map(|b| match b {
-                Json::String(name) => w.names.get(name).cloned().unwrap_or(Json::Null),
-                other => other.clone(),
-            })
-            .unwrap_or(Json::Null);
         let field_schema = |name: &str| {
-            row_schema["fields"]
+            w.row["fields"]
                 .as_array()
                 .and_then(|f| f.iter().find(|f| f["name"] == name))
                 .map(|f| f["type"].clone())
@@ -303,17 +293,8 @@ async fn mirror_for(
         serde_json::from_str(&key).map_err(|e| MaterializeError::Schema(e.to_string()))?;
     let mut names = HashMap::new();
     shape::named_types(&value, "", &mut names);
-    let row = value["fields"]
-        .as_array()
-        .and_then(|f| f.iter().find(|f| f["name"] == "after"))
-        .and_then(|f| f["type"].as_array())
-        .and_then(|b| b.iter().find(|b| b.as_str() != Some("null")))
-        .cloned()
+    let row = shape::row_schema(&value, &names)
         .ok_or_else(|| MaterializeError::Schema(format!("{topic}-value: no `after` record")))?;
-    let row = match &row {
-        Json::String(n) => names.get(n).cloned().unwrap_or(Json::Null),
-        other => other.clone(),
-    };
     let columns: Vec<Column> = row["fields"]
         .as_array()
         .map(|f| {

@@ -61,6 +61,20 @@ pub fn named_types(schema: &Json, namespace: &str, out: &mut HashMap<String, Jso
     }
 }
 
+/// The row record of a Debezium envelope schema (the non-null branch of
+/// `after`), a named reference resolved.
+pub fn row_schema(envelope: &Json, names: &HashMap<String, Json>) -> Option<Json> {
+    let after = envelope["fields"]
+        .as_array()?
+        .iter()
+        .find(|f| f["name"] == "after")?;
+    let branch = after["type"]
+        .as_array()?
+        .iter()
+        .find(|b| b.as_str() != Some("null"))?;
+    Some(resolve(branch, names).clone())
+}
+
 fn resolve<'a>(schema: &'a Json, names: &'a HashMap<String, Json>) -> &'a Json {
     match schema {
         Json::String(name) => names.get(name).unwrap_or(schema),

@@ -737,3 +737,24 @@ pub async fn wait_snapshot_completed(config: &pgcdc::config::Config) {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+/// A field of a decoded Avro record, unions unwrapped on both sides.
+pub fn field<'a>(v: &'a apache_avro::types::Value, name: &str) -> &'a apache_avro::types::Value {
+    use apache_avro::types::Value;
+    let v = match v {
+        Value::Union(_, inner) => inner.as_ref(),
+        other => other,
+    };
+    let Value::Record(fields) = v else {
+        panic!("not a record: {v:?}")
+    };
+    let found = fields
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no field {name}"));
+    match found {
+        Value::Union(_, inner) => inner.as_ref(),
+        other => other,
+    }
+}
