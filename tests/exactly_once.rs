@@ -285,6 +285,14 @@ async fn exactly_once_confirms_only_after_the_kafka_commit_and_a_crash_before_it
     support::wait_snapshot_completed(&parsed).await;
     let a_last = insert_txns(&client, 1, 5, 20).await;
     wait_offset_beyond(&parsed, a_last).await;
+    // The mock shows the offset record before its commit completes; the
+    // confirmation to Postgres comes only after it, so wait for that: the
+    // stall below must hit B's commit, not A's.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while confirmed_flush(&client, &slot).await <= a_last {
+        assert!(std::time::Instant::now() < deadline, "A never confirmed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // Every commit now stalls (the coordinator answers "loading", which
     // librdkafka retries): B's first events reach the broker, their commit
