@@ -21,3 +21,12 @@ CREATE TABLE IF NOT EXISTS pgcdc_state.truncations (
     seq          bigint NOT NULL,
     truncated_at timestamptz NOT NULL DEFAULT now()
 );
+
+-- This target's identity: the namespace of its entries in a shared (Redis)
+-- dedup tier, so that a recreated target never trusts entries that
+-- describe the old one.
+CREATE TABLE IF NOT EXISTS pgcdc_state.identity (
+    singleton boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    id        uuid NOT NULL DEFAULT gen_random_uuid()
+);
+INSERT INTO pgcdc_state.identity DEFAULT VALUES ON CONFLICT DO NOTHING;

@@ -317,16 +317,65 @@ pub struct TargetConfig {
     /// margin.
     #[serde(default = "default_redelivery_window_hours")]
     pub redelivery_window_hours: u64,
-    /// Keys in the in-process dedup tier (an LRU of recently committed
-    /// positions); 0 disables it.
+    /// The fast dedup tier in front of the durable positions.
+    #[serde(default)]
+    pub dedup: DedupConfig,
+}
+
+/// The fast dedup tier: an in-process LRU, or Redis shared by every
+/// instance, with an optional Bloom filter in front of the durable look-up.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DedupConfig {
+    /// Keys in the in-process LRU; 0 disables it. Unused with Redis.
     #[serde(default = "default_dedup_cache_keys")]
-    pub dedup_cache_keys: usize,
+    pub cache_keys: usize,
+    /// How long a fast-tier entry lives (in-process and Redis).
+    #[serde(default = "default_dedup_ttl_seconds")]
+    pub ttl_seconds: u64,
+    /// Expected distinct keys for the Bloom filter; 0 disables it.
+    #[serde(default)]
+    pub bloom_keys: usize,
+    /// Redis as the shared fast tier, instead of the in-process LRU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis_url: Option<Dsn>,
+    /// What an unreachable Redis does; required with `redis_url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_redis_failure: Option<RedisFailure>,
+}
+
+impl Default for DedupConfig {
+    fn default() -> Self {
+        DedupConfig {
+            cache_keys: DEFAULT_DEDUP_CACHE_KEYS,
+            ttl_seconds: DEFAULT_DEDUP_TTL_SECONDS,
+            bloom_keys: 0,
+            redis_url: None,
+            on_redis_failure: None,
+        }
+    }
+}
+
+/// What the materializer does while Redis is unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RedisFailure {
+    /// Stop applying (and retry Redis with backoff) until it is back.
+    FailClosed,
+    /// Go on with the durable tier only, and use Redis again once it is back.
+    FailOpen,
 }
 
 /// About 10 MB of keys and positions.
 pub const DEFAULT_DEDUP_CACHE_KEYS: usize = 100_000;
 fn default_dedup_cache_keys() -> usize {
     DEFAULT_DEDUP_CACHE_KEYS
+}
+/// One day: long enough to cover restarts and rebalances, short enough
+/// that Redis does not grow with every key ever seen.
+pub const DEFAULT_DEDUP_TTL_SECONDS: u64 = 24 * 3600;
+fn default_dedup_ttl_seconds() -> u64 {
+    DEFAULT_DEDUP_TTL_SECONDS
 }
 
 /// 500 changes per transaction: large enough to amortize the commit,
@@ -532,6 +581,37 @@ impl Config {
                 "target.redelivery_window_hours",
                 "must be at least 1",
             );
+            let d = &t.dedup;
+            v.check(
+                d.ttl_seconds >= 1,
+                "target.dedup.ttl_seconds",
+                "must be at least 1",
+            );
+            v.check(
+                d.bloom_keys <= 1_000_000_000,
+                "target.dedup.bloom_keys",
+                "must be at most 1000000000",
+            );
+            if let Some(url) = &d.redis_url {
+                if let Err(e) = redis::Client::open(url.expose()) {
+                    // Parse errors name the problem, not the URL.
+                    v.push(
+                        "target.dedup.redis_url",
+                        format!("is not a valid Redis URL ({:?})", e.kind()),
+                    );
+                }
+                v.check(
+                    d.on_redis_failure.is_some(),
+                    "target.dedup.on_redis_failure",
+                    "is required with redis_url: fail_closed (stop while Redis is down) or fail_open (go on with the durable tier only)",
+                );
+            } else {
+                v.check(
+                    d.on_redis_failure.is_none(),
+                    "target.dedup.on_redis_failure",
+                    "is set but target.dedup.redis_url is not",
+                );
+            }
         }
         if !self.read_models.is_empty() && self.target.is_none() {
             v.push(
@@ -967,5 +1047,37 @@ sources = [
                 "read_models.order_summary.sources[2]"
             ]
         );
+    }
+
+    #[test]
+    fn redis_needs_a_valid_url_and_an_explicit_failure_policy() -> Result<(), ConfigError> {
+        let base =
+            format!("{MINIMAL}\n[target]\nurl = \"postgres://127.0.0.1/t\"\n[target.dedup]\n");
+        let errors = |extra: &str| {
+            load(&format!("{base}{extra}"), &[])
+                .err()
+                .map(paths)
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            errors("redis_url = \"redis://127.0.0.1/0\""),
+            vec!["target.dedup.on_redis_failure"]
+        );
+        assert_eq!(
+            errors("redis_url = \"http://x\"\non_redis_failure = \"fail_open\""),
+            vec!["target.dedup.redis_url"]
+        );
+        assert_eq!(
+            errors("on_redis_failure = \"fail_open\""),
+            vec!["target.dedup.on_redis_failure"]
+        );
+        assert_eq!(errors("ttl_seconds = 0"), vec!["target.dedup.ttl_seconds"]);
+        let c = load(
+            &format!("{base}redis_url = \"redis://:hunter3@127.0.0.1/0\"\non_redis_failure = \"fail_closed\""),
+            &[],
+        )?;
+        assert!(!c.to_redacted_toml().contains("hunter3"));
+        assert!(!format!("{c:?}").contains("hunter3"));
+        Ok(())
     }
 }

@@ -29,6 +29,16 @@ pub const MATERIALIZE_FAST_TIER_HITS: &str = "pgcdc_materialize_fast_tier_hits_t
 pub const MATERIALIZE_DEAD_LETTERED: &str = "pgcdc_materialize_dead_lettered_total";
 /// Seconds per applied batch (one database transaction).
 pub const MATERIALIZE_BATCH_SECONDS: &str = "pgcdc_materialize_batch_seconds";
+/// 1 while Redis (the shared dedup tier) answers, 0 while it does not.
+pub const MATERIALIZE_FAST_TIER_UP: &str = "pgcdc_materialize_fast_tier_up";
+/// Durable look-ups skipped: inserts of keys the Bloom filter never saw.
+pub const MATERIALIZE_BLOOM_SKIPS: &str = "pgcdc_materialize_bloom_skips_total";
+/// Messages not yet applied, by `topic` and `partition` (high watermark
+/// minus the committed offset).
+pub const MATERIALIZE_CONSUMER_LAG: &str = "pgcdc_materialize_consumer_lag";
+/// Batches retried after an infrastructure error (target, Kafka, registry,
+/// Redis under fail_closed), by `cause`.
+pub const MATERIALIZE_RETRIES: &str = "pgcdc_materialize_retries_total";
 /// 1 while the confirmed LSN stands still as WAL grows.
 pub const SLOT_STALLED: &str = "pgcdc_slot_stalled";
 
@@ -67,6 +77,22 @@ fn describe() {
     metrics::describe_counter!(
         MATERIALIZE_FAST_TIER_HITS,
         "Duplicates recognised by the in-process dedup tier"
+    );
+    metrics::describe_gauge!(
+        MATERIALIZE_FAST_TIER_UP,
+        "1 while Redis, the shared dedup tier, answers"
+    );
+    metrics::describe_counter!(
+        MATERIALIZE_BLOOM_SKIPS,
+        "Durable look-ups skipped for keys the Bloom filter never saw"
+    );
+    metrics::describe_gauge!(
+        MATERIALIZE_CONSUMER_LAG,
+        "Messages not yet applied, by topic and partition"
+    );
+    metrics::describe_counter!(
+        MATERIALIZE_RETRIES,
+        "Batches retried after an infrastructure error, by cause"
     );
     metrics::describe_gauge!(
         SLOT_STALLED,

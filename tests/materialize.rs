@@ -140,8 +140,16 @@ impl Rng {
 /// the orders halfway.
 async fn workload(client: &tokio_postgres::Client, changes: usize, seed: u64) {
     let mut rng = Rng(seed);
-    let mut next_order = 2_000_000i64;
-    let mut next_customer = 1_000i64;
+    // New ids above every existing one, so workloads can follow each other.
+    let row = client
+        .query_one(
+            "SELECT greatest(2000000, (SELECT coalesce(max(id), 0) + 1 FROM public.orders)),
+                    greatest(1000, (SELECT coalesce(max(id), 0) + 1 FROM public.customers))",
+            &[],
+        )
+        .await
+        .expect("next ids");
+    let (mut next_order, mut next_customer): (i64, i64) = (row.get(0), row.get(1));
     let mut done = 0;
     let mut truncated = false;
     while done < changes {
@@ -250,19 +258,7 @@ async fn counter(addr: &str, name: &str) -> f64 {
 #[tokio::test]
 async fn mirrors_and_read_models_converge_and_a_replay_applies_nothing_twice() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "mat_src").await;
-    let target_db = TestDb::create(&stack, "mat_tgt").await;
-    let source = source_db.client().await;
-    support::apply_sql_file(&source, "sql/demo/schema.sql").await;
-    source
-        .batch_execute(
-            "INSERT INTO public.customers SELECT g, 'customer ' || g, 'bronze', g % 5 FROM generate_series(1, 999) g;
-             INSERT INTO public.orders (id, customer_id, amount, status)
-             SELECT 1000000 + g, 1 + g % 999, g % 500 + 0.25, 'new' FROM generate_series(0, 1999) g;",
-        )
-        .await
-        .expect("seed");
-    let target = target_db.client().await;
+    let (source_db, target_db, source, target) = databases(&stack, "mat", 999, 2000).await;
     let config = ConfigFile::write(&pipeline(&stack, &source_db, &target_db));
     let connector = ConnectorProcess::start(&config);
     let first = materializer(&config, &[], &[]);
@@ -272,34 +268,11 @@ async fn mirrors_and_read_models_converge_and_a_replay_applies_nothing_twice() {
 
     // Replay every topic from the beginning in a new consumer group: every
     // change is a duplicate, nothing is applied, nothing changes.
-    let port = support::free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let replay = materializer(
-        &config,
-        &["--metrics-addr", &addr],
-        &[("PGCDC__TARGET__GROUP_ID", "replay")],
-    );
-    let deadline = std::time::Instant::now() + Duration::from_secs(300);
-    let mut last = -1.0;
-    loop {
-        tokio::time::sleep(Duration::from_secs(3)).await;
-        let now = counter(&addr, "pgcdc_materialize_duplicates_total").await;
-        if now > 1_000.0 && now == last {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "replay stalled at {now}"
-        );
-        last = now;
-    }
-    assert_eq!(
-        counter(&addr, "pgcdc_materialize_applied_total").await,
-        0.0,
-        "a replayed change was applied again"
-    );
+    let events = change_events(&stack, &source_db).await;
+    let (applied, duplicates, _) = replay(&config, "replay", events).await;
+    assert_eq!(applied, 0.0, "a replayed change was applied again");
+    assert_eq!(duplicates, events as f64);
     assert!(differences(&source, &target).await.is_empty());
-    assert_eq!(terminate(replay).await, Some(0));
     assert_eq!(connector.terminate().await, 0);
     source_db.drop_db().await;
     target_db.drop_db().await;
@@ -318,6 +291,27 @@ async fn seed(client: &tokio_postgres::Client, customers: i64, orders: i64) {
         .expect("seed");
 }
 
+/// A source database seeded with the demo schema (see [`seed`]), an empty
+/// target database, and a client of each.
+async fn databases(
+    stack: &Stack,
+    prefix: &str,
+    customers: i64,
+    orders: i64,
+) -> (
+    TestDb,
+    TestDb,
+    tokio_postgres::Client,
+    tokio_postgres::Client,
+) {
+    let source_db = TestDb::create(stack, &format!("{prefix}_src")).await;
+    let target_db = TestDb::create(stack, &format!("{prefix}_tgt")).await;
+    let source = source_db.client().await;
+    seed(&source, customers, orders).await;
+    let target = target_db.client().await;
+    (source_db, target_db, source, target)
+}
+
 /// Runs the workload on its own connection in the background.
 fn background_workload(url: &str, changes: usize, seed: u64) -> tokio::task::JoinHandle<()> {
     let url = url.to_string();
@@ -330,14 +324,13 @@ fn background_workload(url: &str, changes: usize, seed: u64) -> tokio::task::Joi
 #[tokio::test]
 async fn a_materializer_killed_at_random_points_still_converges() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "mat_kill_src").await;
-    let target_db = TestDb::create(&stack, "mat_kill_tgt").await;
-    let source = source_db.client().await;
-    seed(&source, 999, 2000).await;
-    let target = target_db.client().await;
-    let config = ConfigFile::write(
-        &pipeline(&stack, &source_db, &target_db).replace("batch_size = 200", "batch_size = 50"),
-    );
+    let (source_db, target_db, source, target) = databases(&stack, "mat_kill", 999, 2000).await;
+    // With the Bloom filter: restarts seed it from the durable tier, and
+    // its guarded inserts meet every kind of redelivery.
+    let config = ConfigFile::write(&format!(
+        "{}\n[target.dedup]\nbloom_keys = 100000\n",
+        pipeline(&stack, &source_db, &target_db).replace("batch_size = 200", "batch_size = 50")
+    ));
     let connector = ConnectorProcess::start(&config);
     let work = background_workload(&source_db.url, 20_000, 0x2545_f491_4f6c_dd1d);
     let mut rng = Rng(0xdead_beef_cafe_f00d);
@@ -359,12 +352,12 @@ async fn a_materializer_killed_at_random_points_still_converges() {
 #[tokio::test]
 async fn two_materializers_in_one_group_never_both_apply_a_change() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "mat_race_src").await;
-    let target_db = TestDb::create(&stack, "mat_race_tgt").await;
-    let source = source_db.client().await;
-    seed(&source, 500, 1000).await;
-    let target = target_db.client().await;
-    let config = ConfigFile::write(&pipeline(&stack, &source_db, &target_db));
+    let (source_db, target_db, source, target) = databases(&stack, "mat_race", 500, 1000).await;
+    // With the Bloom filter: its guarded inserts race too.
+    let config = ConfigFile::write(&format!(
+        "{}\n[target.dedup]\nbloom_keys = 100000\n",
+        pipeline(&stack, &source_db, &target_db)
+    ));
     let connector = ConnectorProcess::start(&config);
     let (a_addr, b_addr) = (
         format!("127.0.0.1:{}", support::free_port()),
@@ -381,29 +374,24 @@ async fn two_materializers_in_one_group_never_both_apply_a_change() {
     let c = materializer(&config, &["--metrics-addr", &c_addr], &[]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let c_applied = counter(&c_addr, "pgcdc_materialize_applied_total").await;
+    let c_skips = counter(&c_addr, "pgcdc_materialize_bloom_skips_total").await;
     assert_eq!(terminate(c).await, Some(0));
     work.await.expect("workload");
     wait_converged(&source, &target).await;
     let applied = c_applied
         + counter(&a_addr, "pgcdc_materialize_applied_total").await
         + counter(&b_addr, "pgcdc_materialize_applied_total").await;
+    let bloom_skips = c_skips
+        + counter(&a_addr, "pgcdc_materialize_bloom_skips_total").await
+        + counter(&b_addr, "pgcdc_materialize_bloom_skips_total").await;
+    assert!(bloom_skips > 0.0, "no insert took the Bloom filter's path");
     assert_eq!(terminate(a).await, Some(0));
     assert_eq!(terminate(b).await, Some(0));
     assert_eq!(connector.terminate().await, 0);
     // Every change event, counted in the topics: if no change was applied
     // by two instances, the applied total cannot exceed it. (C stopped
     // cleanly, so its count covers everything it committed.)
-    let mut events = 0usize;
-    for table in ["customers", "orders"] {
-        let topic = format!("{}.public.{table}", source_db.name);
-        let total = end_offsets(&stack, &topic).await;
-        let records =
-            support::read_topic_until(&stack, &topic, Duration::from_secs(120), move |r| {
-                r.len() as i64 >= total
-            })
-            .await;
-        events += records.iter().filter(|r| r.value.is_some()).count();
-    }
+    let events = change_events(&stack, &source_db).await;
     assert!(applied > 0.0);
     assert!(
         applied <= events as f64,
@@ -411,6 +399,22 @@ async fn two_materializers_in_one_group_never_both_apply_a_change() {
     );
     source_db.drop_db().await;
     target_db.drop_db().await;
+}
+
+/// Change events (records with a value) in the demo tables' topics.
+async fn change_events(stack: &Stack, source_db: &TestDb) -> usize {
+    let mut events = 0usize;
+    for table in ["customers", "orders"] {
+        let topic = format!("{}.public.{table}", source_db.name);
+        let total = end_offsets(stack, &topic).await;
+        let records =
+            support::read_topic_until(stack, &topic, Duration::from_secs(120), move |r| {
+                r.len() as i64 >= total
+            })
+            .await;
+        events += records.iter().filter(|r| r.value.is_some()).count();
+    }
+    events
 }
 
 /// The sum of a topic's partition end offsets.
@@ -438,4 +442,487 @@ async fn end_offsets(stack: &Stack, topic: &str) -> i64 {
     })
     .await
     .expect("watermarks task")
+}
+
+/// Every sample of a labelled metric: `(labels, value)`.
+async fn samples(addr: &str, name: &str) -> Vec<(String, f64)> {
+    let Ok(r) = reqwest::get(format!("http://{addr}/metrics")).await else {
+        return Vec::new();
+    };
+    let text = r.text().await.unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (labels, value) = rest.rsplit_once(' ')?;
+            (labels.starts_with('{') || labels.is_empty())
+                .then(|| (labels.to_string(), value.parse().ok()))
+                .and_then(|(l, v)| Some((l, v?)))
+        })
+        .collect()
+}
+
+/// Polls until `cond` holds for a counter, or panics after `limit`.
+async fn wait_counter(addr: &str, name: &str, limit: Duration, cond: impl Fn(f64) -> bool) -> f64 {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let v = counter(addr, name).await;
+        if cond(v) {
+            return v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{name} stayed at {v}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// A Redis server of the test's own (so stopping it disturbs no other test).
+struct PrivateRedis {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl PrivateRedis {
+    fn start(port: u16) -> PrivateRedis {
+        let bin = std::env::var("PGCDC_REDIS_BIN")
+            .ok()
+            .filter(|b| !b.is_empty())
+            .expect("PGCDC_REDIS_BIN is not set: run the tests through scripts/test");
+        let child = std::process::Command::new(bin)
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn redis-server");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(std::time::Instant::now() < deadline, "redis did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        PrivateRedis { child, port }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/0", self.port)
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    async fn keys(&self) -> i64 {
+        let client = redis::Client::open(self.url()).expect("redis url");
+        let mut c = client
+            .get_multiplexed_async_connection()
+            .await
+            .expect("redis connection");
+        redis::cmd("DBSIZE")
+            .query_async(&mut c)
+            .await
+            .expect("DBSIZE")
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn with_redis(toml: &str, redis: &PrivateRedis, policy: &str, ttl_seconds: u64) -> String {
+    format!(
+        "{toml}\n[target.dedup]\nredis_url = \"{}\"\non_redis_failure = \"{policy}\"\nttl_seconds = {ttl_seconds}\n",
+        redis.url()
+    )
+}
+
+/// Redis stops mid-stream. Under `fail_open` the materializer goes on with
+/// the durable tier only; under `fail_closed` it applies nothing until
+/// Redis is back. Either way it stays up, and everything converges.
+async fn redis_outage(policy: &str, prefix: &str) {
+    let stack = support::stack();
+    let (source_db, target_db, source, target) = databases(&stack, prefix, 200, 500).await;
+    let port = support::free_port();
+    let mut redis = PrivateRedis::start(port);
+    let config = ConfigFile::write(&with_redis(
+        &pipeline(&stack, &source_db, &target_db),
+        &redis,
+        policy,
+        3600,
+    ));
+    let connector = ConnectorProcess::start(&config);
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    wait_converged(&source, &target).await;
+    assert_eq!(counter(&addr, "pgcdc_materialize_fast_tier_up").await, 1.0);
+    assert!(redis.keys().await > 0, "nothing reached the shared tier");
+
+    redis.stop();
+    workload(&source, 3_000, 0x5151_a0a0_1234_9876).await;
+    match policy {
+        "fail_open" => {
+            // Converges while Redis is still down.
+            wait_converged(&source, &target).await;
+            assert_eq!(counter(&addr, "pgcdc_materialize_fast_tier_up").await, 0.0);
+        }
+        _ => {
+            wait_counter(
+                &addr,
+                "pgcdc_materialize_retries_total{cause=\"redis\"}",
+                Duration::from_secs(120),
+                |v| v > 0.0,
+            )
+            .await;
+            let applied = counter(&addr, "pgcdc_materialize_applied_total").await;
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            assert_eq!(
+                counter(&addr, "pgcdc_materialize_applied_total").await,
+                applied,
+                "fail_closed applied changes while Redis was down"
+            );
+            assert!(!differences(&source, &target).await.is_empty());
+        }
+    }
+    assert!(
+        m.try_wait().expect("status").is_none(),
+        "the materializer exited"
+    );
+
+    // Back: the next batches use it again (under fail_open, once the
+    // retry backoff, at most 30 s, has passed).
+    let _redis = PrivateRedis::start(port);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let mut round = 0;
+    while counter(&addr, "pgcdc_materialize_fast_tier_up").await != 1.0 {
+        assert!(std::time::Instant::now() < deadline, "redis not used again");
+        round += 1;
+        workload(&source, 100, 0x7777_1111_2222_3333 + round).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    wait_converged(&source, &target).await;
+    assert_eq!(terminate(m).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+#[tokio::test]
+async fn redis_down_under_fail_open_goes_on_with_the_durable_tier() {
+    redis_outage("fail_open", "mat_redis_open").await;
+}
+
+#[tokio::test]
+async fn redis_down_under_fail_closed_halts_until_it_is_back() {
+    redis_outage("fail_closed", "mat_redis_closed").await;
+}
+
+/// Replays every topic in a new group until all `events` change events
+/// were handled (and a moment more, so that extra applications would
+/// show); returns (applied, duplicates, fast-tier hits).
+async fn replay(config: &ConfigFile, group: &str, events: usize) -> (f64, f64, f64) {
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let m = materializer(
+        config,
+        &["--metrics-addr", &addr],
+        &[("PGCDC__TARGET__GROUP_ID", group)],
+    );
+    let handled = |addr: String| async move {
+        counter(&addr, "pgcdc_materialize_duplicates_total").await
+            + counter(&addr, "pgcdc_materialize_applied_total").await
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    loop {
+        let now = handled(addr.clone()).await;
+        if now >= events as f64 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "replay stalled at {now} of {events}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let got = (
+        counter(&addr, "pgcdc_materialize_applied_total").await,
+        counter(&addr, "pgcdc_materialize_duplicates_total").await,
+        counter(&addr, "pgcdc_materialize_fast_tier_hits_total").await,
+    );
+    assert_eq!(terminate(m).await, Some(0));
+    got
+}
+
+#[tokio::test]
+async fn redeliveries_are_skipped_by_the_shared_tier_and_after_its_ttl_by_the_durable_tier() {
+    let stack = support::stack();
+    let (source_db, target_db, source, target) = databases(&stack, "mat_ttl", 100, 300).await;
+    let redis = PrivateRedis::start(support::free_port());
+    let config = ConfigFile::write(&with_redis(
+        &pipeline(&stack, &source_db, &target_db),
+        &redis,
+        "fail_closed",
+        20,
+    ));
+    let connector = ConnectorProcess::start(&config);
+    let first = materializer(&config, &[], &[]);
+    workload(&source, 1_000, 0x0bad_cafe_dead_beef).await;
+    wait_converged(&source, &target).await;
+    assert_eq!(terminate(first).await, Some(0));
+    assert!(redis.keys().await > 0);
+
+    // Another process, a new group: Redis answers for the keys it holds.
+    let events = change_events(&stack, &source_db).await;
+    let (applied, duplicates, hits) = replay(&config, "replay_shared", events).await;
+    assert_eq!(duplicates, events as f64);
+    assert_eq!(applied, 0.0, "a replayed change was applied again");
+    assert!(
+        hits > 0.0,
+        "the shared tier answered nothing ({duplicates} duplicates)"
+    );
+
+    // Past the TTL, Redis holds nothing; the durable tier still skips all.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while redis.keys().await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "entries did not expire"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (applied, duplicates, hits) = replay(&config, "replay_expired", events).await;
+    assert_eq!(applied, 0.0, "a change was applied again after the TTL");
+    assert_eq!(hits, 0.0, "expired entries answered");
+    assert_eq!(
+        duplicates, events as f64,
+        "not all skipped by the durable tier"
+    );
+    assert!(differences(&source, &target).await.is_empty());
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+#[tokio::test]
+async fn a_lost_target_connection_is_retried_and_nothing_is_lost() {
+    let stack = support::stack();
+    let (source_db, target_db, source, target) = databases(&stack, "mat_conn", 200, 500).await;
+    let config = ConfigFile::write(&pipeline(&stack, &source_db, &target_db));
+    let connector = ConnectorProcess::start(&config);
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    let work = background_workload(&source_db.url, 5_000, 0x1357_9bdf_2468_ace0);
+    wait_counter(
+        &addr,
+        "pgcdc_materialize_applied_total",
+        Duration::from_secs(120),
+        |v| v > 0.0,
+    )
+    .await;
+    // Cut the materializer's target connection, three times, mid-stream.
+    for _ in 0..3 {
+        target
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                 WHERE datname = current_database() AND pid <> pg_backend_pid()",
+                &[],
+            )
+            .await
+            .expect("terminate");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+    }
+    work.await.expect("workload");
+    wait_converged(&source, &target).await;
+    assert!(
+        m.try_wait().expect("status").is_none(),
+        "the materializer exited"
+    );
+    assert!(
+        counter(&addr, "pgcdc_materialize_retries_total{cause=\"target\"}").await > 0.0,
+        "no retry was counted"
+    );
+    // Lag per partition is reported, and is 0 once converged.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let lag = samples(&addr, "pgcdc_materialize_consumer_lag").await;
+        if !lag.is_empty() && lag.iter().all(|(_, v)| *v == 0.0) {
+            assert!(lag.iter().all(|(l, _)| l.contains("partition=")), "{lag:?}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "lag {lag:?}");
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert_eq!(terminate(m).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+const ORDER_RATIO: &str = r#"
+[read_models.order_ratio]
+table = "read_models.order_ratio"
+key = ["order_id"]
+query = "SELECT o.id AS order_id, round(100 / (o.amount - 13.00), 4) AS ratio FROM mirror.orders o WHERE o.id = ANY($1)"
+sources = [{ table = "public.orders", key_columns = ["id"] }]
+"#;
+
+#[tokio::test]
+async fn changes_the_target_rejects_are_dead_lettered_and_the_partition_moves_on() {
+    let stack = support::stack();
+    let (source_db, target_db, source, target) = databases(&stack, "mat_dlq", 20, 40).await;
+    let config = ConfigFile::write(&format!(
+        "{}{ORDER_RATIO}",
+        pipeline(&stack, &source_db, &target_db)
+    ));
+    let connector = ConnectorProcess::start(&config);
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    wait_converged(&source, &target).await;
+    // A rule of the target's that the source does not have.
+    target
+        .batch_execute("ALTER TABLE mirror.orders ADD CONSTRAINT not_666 CHECK (amount <> 666.66)")
+        .await
+        .expect("constraint");
+    // 9000001 breaks the mirror's constraint, 9000002 the view's SQL
+    // (division by zero), 9000003 is fine.
+    source
+        .batch_execute(
+            "INSERT INTO public.orders (id, customer_id, amount, status) VALUES
+               (9000001, 1, 666.66, 'new'), (9000002, 2, 13.00, 'new'), (9000003, 3, 5.00, 'new')",
+        )
+        .await
+        .expect("insert");
+    let dlq = format!("{}.dlq", source_db.name);
+    let dead = support::read_topic(&stack, &dlq, 2, Duration::from_secs(120)).await;
+    let mut classes: Vec<&str> = dead
+        .iter()
+        .map(|r| r.header("pgcdc.failure.class").unwrap_or_default())
+        .collect();
+    classes.sort();
+    assert_eq!(
+        classes,
+        ["constraint_violation", "unsupported_value"],
+        "{dead:?}"
+    );
+    for r in &dead {
+        assert!(r.value.is_some(), "the rejected record itself is kept");
+        let position = r.header("pgcdc.position").unwrap_or_default();
+        assert!(position.contains(':'), "no position: {:?}", r.headers);
+        assert!(r
+            .header("pgcdc.origin.offset")
+            .is_some_and(|o| o.parse::<i64>().is_ok()));
+        let topic = r.header("pgcdc.origin.topic").unwrap_or_default();
+        assert!(topic.ends_with("public.orders"), "{topic}");
+    }
+    let view_error = dead
+        .iter()
+        .find(|r| r.header("pgcdc.failure.class") == Some("unsupported_value"))
+        .and_then(|r| r.header("pgcdc.failure.error"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        view_error.contains("order_ratio") && view_error.contains("division by zero"),
+        "{view_error}"
+    );
+
+    // The partition moved on: later changes of the same keys apply.
+    source
+        .batch_execute("UPDATE public.orders SET amount = 7 WHERE id IN (9000001, 9000002)")
+        .await
+        .expect("update");
+    wait_converged(&source, &target).await;
+    let ratios: i64 = target
+        .query_one(
+            "SELECT count(*) FROM read_models.order_ratio WHERE order_id IN (9000001, 9000002, 9000003)",
+            &[],
+        )
+        .await
+        .expect("order_ratio")
+        .get(0);
+    assert_eq!(ratios, 3);
+    assert_eq!(
+        counter(&addr, "pgcdc_materialize_dead_lettered_total").await,
+        2.0
+    );
+    assert!(
+        m.try_wait().expect("status").is_none(),
+        "the materializer exited"
+    );
+    assert_eq!(terminate(m).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+#[tokio::test]
+async fn unchanged_toast_keeps_the_mirror_value_and_old_tombstones_are_swept() {
+    let stack = support::stack();
+    let (source_db, target_db, source, target) = databases(&stack, "mat_toast", 10, 10).await;
+    let config = ConfigFile::write(&pipeline(&stack, &source_db, &target_db).replace(
+        "batch_size = 200",
+        "batch_size = 200\nredelivery_window_hours = 1",
+    ));
+    let connector = ConnectorProcess::start(&config);
+    let first = materializer(&config, &[], &[]);
+    wait_converged(&source, &target).await;
+    // 160 kB of hex digits: compressed, still stored out of line, so an
+    // update of another column carries the "unchanged TOAST" marker.
+    source
+        .batch_execute(
+            "INSERT INTO public.orders (id, customer_id, amount, status, note)
+             SELECT 9100001, 1, 1.00, 'new', string_agg(md5(g::text), '') FROM generate_series(1, 5000) g;
+             UPDATE public.orders SET amount = 2.00 WHERE id = 9100001;",
+        )
+        .await
+        .expect("toasted row");
+    wait_converged(&source, &target).await;
+    let (amount, note_len): (String, i32) = {
+        let r = target
+            .query_one(
+                "SELECT amount::text, length(note) FROM mirror.orders WHERE id = 9100001",
+                &[],
+            )
+            .await
+            .expect("mirror row");
+        (r.get(0), r.get(1))
+    };
+    assert_eq!((amount.as_str(), note_len), ("2.00", 160_000));
+
+    // Two deletes leave two tombstones; one is aged past the window.
+    source
+        .batch_execute("DELETE FROM public.orders WHERE id IN (1000001, 1000002)")
+        .await
+        .expect("deletes");
+    wait_converged(&source, &target).await;
+    let keys = |rows: Vec<tokio_postgres::Row>| -> Vec<String> {
+        rows.iter().map(|r| r.get::<_, String>(0)).collect()
+    };
+    let sql = "SELECT key FROM pgcdc_state.tombstones WHERE mirror LIKE '%orders%' ORDER BY key";
+    assert_eq!(
+        keys(target.query(sql, &[]).await.expect("tombstones")),
+        ["[\"1000001\"]", "[\"1000002\"]"]
+    );
+    target
+        .execute(
+            "UPDATE pgcdc_state.tombstones SET deleted_at = now() - interval '2 hours' WHERE key = '[\"1000001\"]'",
+            &[],
+        )
+        .await
+        .expect("age");
+    assert_eq!(terminate(first).await, Some(0));
+    let second = materializer(&config, &[], &[]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = keys(target.query(sql, &[]).await.expect("tombstones"));
+        if left == ["[\"1000002\"]"] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "tombstones left: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert_eq!(terminate(second).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
 }

@@ -21,7 +21,7 @@
 use std::collections::HashMap;
 
 use tokio_postgres::types::ToSql;
-use tokio_postgres::Transaction;
+use tokio_postgres::{GenericClient, Statement, Transaction};
 
 use super::shape::{Cell, Column};
 use crate::source::slot::quote_ident;
@@ -39,6 +39,8 @@ pub struct Mirror {
     pub source: String,
     /// The mirror, quoted and qualified.
     pub qualified: String,
+    /// The mirror's own name (unquoted, without schema).
+    pub table: String,
     pub columns: Vec<Column>,
     /// Indexes into `columns` of the key, in key order.
     pub key: Vec<usize>,
@@ -68,6 +70,7 @@ impl Mirror {
         Ok(Mirror {
             source: source.to_string(),
             qualified: format!("{}.{}", quote_ident(mirror_schema), quote_ident(table)),
+            table: table.to_string(),
             columns,
             key,
         })
@@ -127,6 +130,35 @@ impl Mirror {
             .join(" AND ")
     }
 
+    /// Quoted column names, `$i::text::type` values, quoted key names.
+    fn column_lists(&self) -> (Vec<String>, Vec<String>, Vec<String>) {
+        let names: Vec<String> = self.columns.iter().map(|c| quote_ident(&c.name)).collect();
+        let values = self
+            .columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("${}::text::{}", i + 1, c.sql_type))
+            .collect();
+        let key = self.key.iter().map(|&i| names[i].clone()).collect();
+        (names, values, key)
+    }
+
+    /// The key texts of a row's cells.
+    pub fn key_of(&self, cells: &[Cell]) -> Vec<String> {
+        self.key
+            .iter()
+            .map(|&i| match &cells[i] {
+                Cell::Text(t) => t.clone(),
+                _ => String::new(),
+            })
+            .collect()
+    }
+
+    /// The key in the fast dedup tier: `<mirror>|<key_text>`.
+    pub fn cache_key(&self, key: &[String]) -> String {
+        format!("{}|{}", self.qualified, self.key_text(key))
+    }
+
     /// The key as stored in tombstones: a JSON array of the key texts.
     pub fn key_text(&self, key: &[String]) -> String {
         serde_json::to_string(key).unwrap_or_default()
@@ -157,24 +189,53 @@ pub fn mirror_names(sources: &[String]) -> Vec<String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
     Applied,
+    /// Applied by [`insert_new`], without a durable look-up first.
+    Inserted,
     /// Its position is not newer than the stored one: already applied.
     Duplicate,
 }
 
-/// Statement texts, built once per mirror and column mask.
+/// Statements prepared once per connection (a statement text sent each
+/// time costs a second round trip), and statement texts built once per
+/// mirror and column mask. Cleared when the connection is replaced.
 #[derive(Debug, Default)]
-pub struct Statements(HashMap<String, String>);
+pub struct Statements {
+    texts: HashMap<String, String>,
+    prepared: HashMap<String, Statement>,
+}
+
+impl Statements {
+    /// `sql`, prepared on this connection.
+    pub async fn prepare(
+        &mut self,
+        client: &impl GenericClient,
+        sql: &str,
+    ) -> Result<Statement, tokio_postgres::Error> {
+        if let Some(s) = self.prepared.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = client.prepare(sql).await?;
+        self.prepared.insert(sql.to_string(), s.clone());
+        Ok(s)
+    }
+
+    /// A statement text, built on first use.
+    fn text(&mut self, key: String, build: impl FnOnce() -> String) -> String {
+        self.texts.entry(key).or_insert_with(build).clone()
+    }
+}
 
 /// Whether `position` is newer than every position stored for the key
 /// (row, tombstone, truncate). Takes the key's lock first, so the answer
 /// holds until the transaction ends.
 pub async fn is_new(
     tx: &Transaction<'_>,
+    statements: &mut Statements,
     mirror: &Mirror,
     key: &[String],
     position: Position,
 ) -> Result<bool, tokio_postgres::Error> {
-    Ok(stored_position(tx, mirror, key)
+    Ok(stored_position(tx, statements, mirror, key)
         .await?
         .is_none_or(|p| p < position))
 }
@@ -182,32 +243,49 @@ pub async fn is_new(
 /// The newest position stored for a key (row, tombstone, or truncate).
 async fn stored_position(
     tx: &Transaction<'_>,
+    statements: &mut Statements,
     mirror: &Mirror,
     key: &[String],
 ) -> Result<Option<Position>, tokio_postgres::Error> {
     let key_text = mirror.key_text(key);
-    tx.query_one(
-        "SELECT pg_advisory_xact_lock(hashtextextended($1 || '|' || $2, 0))",
-        &[&mirror.qualified, &key_text],
-    )
-    .await?;
     let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_text];
     for k in key {
         params.push(k);
     }
-    let sql = format!(
-        "SELECT _pgcdc_commit_lsn, _pgcdc_seq FROM {m} WHERE {w}
-         UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = $2
-         UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1",
-        m = mirror.qualified,
-        w = mirror.key_where(3)
-    );
+    // Lock and look-up in one round trip. Under SERIALIZABLE the look-up
+    // reads the transaction's snapshot whatever the order; the lock only
+    // makes a racing instance wait instead of failing serialization.
+    let sql = statements.text(format!("stored {}", mirror.qualified), || {
+        format!(
+            "SELECT p.lsn, p.seq
+             FROM (SELECT pg_advisory_xact_lock(hashtextextended($1 || '|' || $2, 0))) l,
+             LATERAL (
+               SELECT _pgcdc_commit_lsn AS lsn, _pgcdc_seq AS seq FROM {m} WHERE {w}
+               UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = $2
+               UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1
+             ) p",
+            m = mirror.qualified,
+            w = mirror.key_where(3)
+        )
+    });
+    let sql = statements.prepare(tx, &sql).await?;
     Ok(tx
         .query(&sql, &params)
         .await?
         .iter()
         .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1)))
         .max())
+}
+
+/// Statement parameters of a row's cells (an unchanged cell is not written).
+fn cell_texts(cells: &[Cell]) -> Vec<Option<String>> {
+    cells
+        .iter()
+        .map(|c| match c {
+            Cell::Text(t) => Some(t.clone()),
+            Cell::Null | Cell::Unchanged => None,
+        })
+        .collect()
 }
 
 /// Upserts a row (insert, update, snapshot read); call after [`is_new`].
@@ -219,105 +297,129 @@ pub async fn upsert(
     cells: &[Cell],
     position: Position,
 ) -> Result<Outcome, tokio_postgres::Error> {
-    let key: Vec<String> = mirror
-        .key
-        .iter()
-        .map(|&i| match &cells[i] {
-            Cell::Text(t) => t.clone(),
-            _ => String::new(),
-        })
-        .collect();
+    let key = mirror.key_of(cells);
     let mask: String = cells
         .iter()
         .map(|c| if *c == Cell::Unchanged { 'u' } else { 'v' })
         .collect();
-    let sql = statements
-        .0
-        .entry(format!("upsert {} {mask}", mirror.qualified))
-        .or_insert_with(|| {
-            let n = mirror.columns.len();
-            let names: Vec<String> = mirror
-                .columns
-                .iter()
-                .map(|c| quote_ident(&c.name))
-                .collect();
-            let values: Vec<String> = mirror
-                .columns
-                .iter()
-                .enumerate()
-                .map(|(i, c)| format!("${}::text::{}", i + 1, c.sql_type))
-                .collect();
-            let key: Vec<String> = mirror.key.iter().map(|&i| names[i].clone()).collect();
-            let mut set: Vec<String> = names
-                .iter()
-                .zip(mask.chars())
-                .filter(|(_, m)| *m == 'v')
-                .map(|(c, _)| format!("{c} = EXCLUDED.{c}"))
-                .collect();
-            set.push("_pgcdc_commit_lsn = EXCLUDED._pgcdc_commit_lsn".into());
-            set.push("_pgcdc_seq = EXCLUDED._pgcdc_seq".into());
-            format!(
-                "INSERT INTO {} ({}, _pgcdc_commit_lsn, _pgcdc_seq) VALUES ({}, ${}, ${})
+    let sql = statements.text(format!("upsert {} {mask}", mirror.qualified), || {
+        let n = mirror.columns.len();
+        let (names, values, key) = mirror.column_lists();
+        let mut set: Vec<String> = names
+            .iter()
+            .zip(mask.chars())
+            .filter(|(_, m)| *m == 'v')
+            .map(|(c, _)| format!("{c} = EXCLUDED.{c}"))
+            .collect();
+        set.push("_pgcdc_commit_lsn = EXCLUDED._pgcdc_commit_lsn".into());
+        set.push("_pgcdc_seq = EXCLUDED._pgcdc_seq".into());
+        // Clearing the key's tombstone (a re-insert) in the same statement.
+        format!(
+            "WITH cleared AS (DELETE FROM pgcdc_state.tombstones WHERE mirror = ${} AND key = ${})
+                 INSERT INTO {} ({}, _pgcdc_commit_lsn, _pgcdc_seq) VALUES ({}, ${}, ${})
                  ON CONFLICT ({}) DO UPDATE SET {}",
-                mirror.qualified,
-                names.join(", "),
-                values.join(", "),
-                n + 1,
-                n + 2,
-                key.join(", "),
-                set.join(", ")
+            n + 3,
+            n + 4,
+            mirror.qualified,
+            names.join(", "),
+            values.join(", "),
+            n + 1,
+            n + 2,
+            key.join(", "),
+            set.join(", ")
+        )
+    });
+    let sql = statements.prepare(tx, &sql).await?;
+    let texts = cell_texts(cells);
+    let mut params: Vec<&(dyn ToSql + Sync)> =
+        texts.iter().map(|t| t as &(dyn ToSql + Sync)).collect();
+    let key_text = mirror.key_text(&key);
+    params.push(&position.0);
+    params.push(&position.1);
+    params.push(&mirror.qualified);
+    params.push(&key_text);
+    tx.execute(&sql, &params).await?;
+    Ok(Outcome::Applied)
+}
+
+/// Inserts a row whose key the durable tier is believed not to hold (the
+/// Bloom filter's "never seen"), checking that in the same statement: no
+/// row, no tombstone, no truncate at or after `position`. Returns whether
+/// it inserted; if not, the caller takes the full path ([`is_new`]).
+pub async fn insert_new(
+    tx: &Transaction<'_>,
+    statements: &mut Statements,
+    mirror: &Mirror,
+    cells: &[Cell],
+    position: Position,
+) -> Result<bool, tokio_postgres::Error> {
+    let sql = statements.text(format!("insert_new {}", mirror.qualified), || {
+            let n = mirror.columns.len();
+            let (names, values, key) = mirror.column_lists();
+            format!(
+                "INSERT INTO {m} ({names}, _pgcdc_commit_lsn, _pgcdc_seq)
+                 SELECT {values}, ${lsn}::bigint, ${seq}::bigint
+                 WHERE NOT EXISTS (SELECT 1 FROM pgcdc_state.tombstones WHERE mirror = ${mp} AND key = ${kp})
+                   AND NOT EXISTS (SELECT 1 FROM pgcdc_state.truncations
+                                   WHERE mirror = ${mp} AND (commit_lsn, seq) >= (${lsn}::bigint, ${seq}::bigint))
+                 ON CONFLICT ({key}) DO NOTHING",
+                m = mirror.qualified,
+                names = names.join(", "),
+                values = values.join(", "),
+                lsn = n + 1,
+                seq = n + 2,
+                mp = n + 3,
+                kp = n + 4,
+                key = key.join(", "),
             )
-        })
-        .clone();
-    let texts: Vec<Option<String>> = cells
-        .iter()
-        .map(|c| match c {
-            Cell::Text(t) => Some(t.clone()),
-            Cell::Null | Cell::Unchanged => None,
-        })
-        .collect();
+    });
+    let sql = statements.prepare(tx, &sql).await?;
+    let key = mirror.key_of(cells);
+    let key_text = mirror.key_text(&key);
+    let texts = cell_texts(cells);
     let mut params: Vec<&(dyn ToSql + Sync)> =
         texts.iter().map(|t| t as &(dyn ToSql + Sync)).collect();
     params.push(&position.0);
     params.push(&position.1);
-    tx.execute(&sql, &params).await?;
-    tx.execute(
-        "DELETE FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = $2",
-        &[&mirror.qualified, &mirror.key_text(&key)],
-    )
-    .await?;
-    Ok(Outcome::Applied)
+    params.push(&mirror.qualified);
+    params.push(&key_text);
+    Ok(tx.execute(&sql, &params).await? == 1)
 }
 
 /// Deletes a row and leaves a tombstone position; call after [`is_new`].
 pub async fn delete(
     tx: &Transaction<'_>,
+    statements: &mut Statements,
     mirror: &Mirror,
     key: &[String],
     position: Position,
 ) -> Result<Outcome, tokio_postgres::Error> {
-    let params: Vec<&(dyn ToSql + Sync)> = key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
-    tx.execute(
-        &format!(
-            "DELETE FROM {} WHERE {}",
+    let k = key.len();
+    // The row and its tombstone in one statement.
+    let sql = statements.text(format!("delete {}", mirror.qualified), || {
+        format!(
+            "WITH gone AS (DELETE FROM {} WHERE {})
+             INSERT INTO pgcdc_state.tombstones (mirror, key, commit_lsn, seq)
+             VALUES (${}, ${}, ${}, ${})
+             ON CONFLICT (mirror, key) DO UPDATE
+             SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, deleted_at = now()",
             mirror.qualified,
-            mirror.key_where(1)
-        ),
-        &params,
-    )
-    .await?;
-    tx.execute(
-        "INSERT INTO pgcdc_state.tombstones (mirror, key, commit_lsn, seq) VALUES ($1, $2, $3, $4)
-         ON CONFLICT (mirror, key) DO UPDATE
-         SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, deleted_at = now()",
-        &[
-            &mirror.qualified,
-            &mirror.key_text(key),
-            &position.0,
-            &position.1,
-        ],
-    )
-    .await?;
+            mirror.key_where(1),
+            k + 1,
+            k + 2,
+            k + 3,
+            k + 4
+        )
+    });
+    let sql = statements.prepare(tx, &sql).await?;
+    let key_text = mirror.key_text(key);
+    let mut params: Vec<&(dyn ToSql + Sync)> =
+        key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
+    params.push(&mirror.qualified);
+    params.push(&key_text);
+    params.push(&position.0);
+    params.push(&position.1);
+    tx.execute(&sql, &params).await?;
     Ok(Outcome::Applied)
 }
 

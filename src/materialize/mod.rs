@@ -11,16 +11,26 @@
 //!   change (after a crash, a rebalance, a reset of the group's offsets)
 //!   carries a position that is not newer than the stored one and is
 //!   skipped; two instances racing on one key serialize on a lock.
-//! - **Two dedup tiers.** An in-process LRU of recently committed
-//!   positions ([`recent`]) answers "already applied" without a database
-//!   round trip; a miss or an eviction always falls through to the durable
-//!   positions stored with the rows.
+//! - **Two dedup tiers.** A fast tier ([`fast_tier`]: an in-process LRU,
+//!   or Redis shared by every instance) answers "already applied" without
+//!   a database round trip; a miss, an eviction, an expiry or Redis being
+//!   down (under `fail_open`) falls through to the durable positions
+//!   stored with the rows. An optional Bloom filter turns inserts of keys
+//!   never seen into one guarded statement.
+//! - **Infrastructure errors retry, data errors dead-letter**, decided in
+//!   one place ([`MaterializeError::retry_cause`]). A lost target
+//!   connection, a Kafka or registry outage, or Redis under `fail_closed`
+//!   retries the same batch with backoff (reconnecting as needed); its
+//!   offsets do not move meanwhile.
 //! - **Nothing vanishes.** A change the target rejects (a constraint, a
 //!   value it cannot take) or a record that cannot be decoded goes to
 //!   `<prefix>.dlq` with its failure class, error, origin and position in
 //!   the headers, and Kafka acknowledges it before the batch commits. The
-//!   partition moves on. An unreachable registry is not the record's
-//!   fault: the batch stops and nothing is dead-lettered.
+//!   partition moves on. A view the target cannot recompute for a change
+//!   (its SQL fails on the data) dead-letters that change, found by
+//!   applying the batch one change at a time. An unreachable registry is
+//!   not the record's fault: the batch is retried and nothing is
+//!   dead-lettered.
 //!
 //! ```text
 //!  changelog topics ──► consumer group ──► decode (schema cache by id)
@@ -30,17 +40,20 @@
 //!        └──────────────── commit offsets ◄──────────────────────────────────────────┘
 //! ```
 
+pub mod bloom;
+pub mod fast_tier;
 pub mod mirror;
 pub mod recent;
 pub mod shape;
 pub mod view;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use apache_avro::types::Value;
 use apache_avro::Schema;
+use futures_util::{pin_mut, TryStreamExt};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::{Message, Offset, TopicPartitionList};
@@ -70,6 +83,51 @@ pub enum MaterializeError {
     Schema(String),
     #[error("dead-letter topic: {0}")]
     DeadLetter(String),
+    #[error("registry unavailable: {0}")]
+    RegistryUnavailable(String),
+    #[error(transparent)]
+    Redis(#[from] fast_tier::Unavailable),
+    /// A change was rejected in a batch applied without savepoints: redo
+    /// it with them (never leaves [`apply_with_retry`]).
+    #[error("a change was rejected; the batch is redone change by change")]
+    Rejected,
+    /// A read model's SQL failed on the data of this batch.
+    #[error("read model: {error}")]
+    ViewRejected { class: &'static str, error: String },
+}
+
+impl MaterializeError {
+    /// The one place that decides: `Some(cause)` for an infrastructure
+    /// error (retry the batch with backoff), `None` for one a retry cannot
+    /// fix (stop with the error).
+    pub fn retry_cause(&self) -> Option<&'static str> {
+        match self {
+            MaterializeError::Postgres(e) => {
+                let Some(code) = e.code() else {
+                    // No SQLSTATE: the connection (closed, I/O, timeout).
+                    return Some("target");
+                };
+                let c = code.code();
+                // Connection, resources, shutdown, conflicts, system errors.
+                (c.starts_with("08")
+                    || c.starts_with("53")
+                    || c.starts_with("57")
+                    || c.starts_with("58")
+                    || c.starts_with("40")
+                    || c == "55P03")
+                    .then_some("target")
+            }
+            MaterializeError::Kafka(_) | MaterializeError::DeadLetter(_) => Some("kafka"),
+            MaterializeError::Registry(_) | MaterializeError::RegistryUnavailable(_) => {
+                Some("registry")
+            }
+            MaterializeError::Redis(_) => Some("redis"),
+            MaterializeError::Config(_)
+            | MaterializeError::Schema(_)
+            | MaterializeError::Rejected
+            | MaterializeError::ViewRejected { .. } => None,
+        }
+    }
 }
 
 /// `<prefix>.dlq`.
@@ -113,7 +171,7 @@ struct State {
     mirrors: HashMap<String, Mirror>,
     views: Vec<View>,
     statements: Statements,
-    recent: recent::Recent,
+    fast: fast_tier::FastTier,
 }
 
 impl State {
@@ -351,9 +409,14 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
                 .map_err(MaterializeError::Config)?,
         );
     }
+    index_view_columns(&db, &mirrors, &views).await?;
     let dlq = dlq_topic(&config);
     sink::ensure_topics(&config.kafka, std::slice::from_ref(&dlq)).await?;
     let producer = sink::Producer::create(&config.kafka, None).await?;
+    let dead_letters = DeadLetters {
+        producer: &producer,
+        topic: &dlq,
+    };
 
     let group = target
         .group_id
@@ -371,16 +434,30 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     consumer.subscribe(&topic_refs)?;
     tracing::info!(%group, topics = topics.len(), views = views.len(), "materializing");
 
+    let target_id: String = db
+        .query_one("SELECT id::text FROM pgcdc_state.identity", &[])
+        .await?
+        .get(0);
+    let mut fast =
+        fast_tier::FastTier::new(&target.dedup, &target_id).map_err(MaterializeError::Config)?;
+    if fast.has_bloom() {
+        seed_bloom(&db, &mirrors, &mut fast).await?;
+    }
     let mut state = State {
         registry,
         writers: HashMap::new(),
         mirrors,
         views,
         statements: Statements::default(),
-        recent: recent::Recent::new(target.dedup_cache_keys),
+        fast,
     };
+    let committed = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
+    let lag = tokio::spawn(report_lag(config.clone(), committed.clone()));
+    // At start too: an instance restarted more often than the sweep
+    // interval still sweeps.
+    sweep(&db, target.redelivery_window_hours).await?;
     let mut last_sweep = Instant::now();
-    loop {
+    'batches: loop {
         // A batch: wait for one message, then take what else is ready.
         let first = tokio::select! {
             _ = shutdown.requested() => break,
@@ -395,7 +472,40 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             }
         }
         let started = Instant::now();
-        apply_batch(&mut state, &mut db, &producer, &batch, &dlq).await?;
+        let mut attempt = 0u32;
+        loop {
+            let Err(e) = apply_batch(&mut state, &mut db, &dead_letters, &batch).await else {
+                break;
+            };
+            let Some(cause) = e.retry_cause() else {
+                return Err(e);
+            };
+            attempt += 1;
+            // 0.2 s doubling to 30 s: quick after a blip, gentle in an outage.
+            let delay =
+                Duration::from_millis(200u64 << attempt.min(8)).min(Duration::from_secs(30));
+            metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => cause).increment(1);
+            tracing::warn!(cause, attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
+                "batch not applied; retrying it (its offsets stay, nothing is lost)");
+            tokio::select! {
+                // Nothing of the batch committed: a restart redelivers it.
+                _ = shutdown.requested() => break 'batches,
+                _ = tokio::time::sleep(delay) => {}
+            }
+            if db.is_closed() {
+                match crate::source::connect(&target.url).await {
+                    Ok(c) => {
+                        tracing::info!("reconnected to the target database");
+                        db = c;
+                        // Prepared on the old connection.
+                        state.statements = Statements::default();
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %crate::source::error_text(&e), "target database still unreachable")
+                    }
+                }
+            }
+        }
         metrics::histogram!(observe::MATERIALIZE_BATCH_SECONDS)
             .record(started.elapsed().as_secs_f64());
         // Only now, with the transaction committed, do the offsets move.
@@ -414,12 +524,168 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             // After a rebalance the new owner re-reads; the guard skips.
             tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
         }
+        if let (Ok(mut c), Ok(owned)) = (committed.lock(), consumer.assignment()) {
+            c.extend(next);
+            // Partitions a rebalance gave away are the new owner's to report.
+            c.retain(|(topic, partition), _| {
+                let keep = owned.find_partition(topic, *partition).is_some();
+                if !keep {
+                    metrics::gauge!(observe::MATERIALIZE_CONSUMER_LAG,
+                        "topic" => topic.clone(), "partition" => partition.to_string())
+                    .set(0.0);
+                }
+                keep
+            });
+        }
         if last_sweep.elapsed() > Duration::from_secs(60) {
             sweep(&db, target.redelivery_window_hours).await?;
             last_sweep = Instant::now();
         }
     }
+    lag.abort();
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Every 5 s: consumer lag per partition, the high watermark minus the
+/// offset this instance committed last, from a client of its own (so the
+/// apply loop never waits on it).
+async fn report_lag(
+    config: Arc<Config>,
+    committed: Arc<std::sync::Mutex<BTreeMap<(String, i32), i64>>>,
+) {
+    let client: rdkafka::consumer::BaseConsumer = match sink::client_config(&config.kafka).create()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "no consumer lag metric: cannot create a Kafka client");
+            return;
+        }
+    };
+    let client = Arc::new(client);
+    loop {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let offsets: Vec<((String, i32), i64)> = match committed.lock() {
+            Ok(c) => c.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+            Err(_) => return,
+        };
+        let c = client.clone();
+        let highs = tokio::task::spawn_blocking(move || {
+            offsets
+                .into_iter()
+                .filter_map(|((topic, partition), offset)| {
+                    let (_, high) = c
+                        .fetch_watermarks(&topic, partition, Duration::from_secs(5))
+                        .ok()?;
+                    Some((topic, partition, (high - offset).max(0)))
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap_or_default();
+        for (topic, partition, lag) in highs {
+            metrics::gauge!(observe::MATERIALIZE_CONSUMER_LAG,
+                "topic" => topic, "partition" => partition.to_string())
+            .set(lag as f64);
+        }
+    }
+}
+
+/// Indexes every mirror column a read model maps to its keys
+/// (`key_columns`): views filter and join on them, and without an index
+/// each recompute scans the mirror.
+async fn index_view_columns(
+    db: &Client,
+    mirrors: &HashMap<String, Mirror>,
+    views: &[View],
+) -> Result<(), MaterializeError> {
+    for view in views {
+        for (table, mapping) in &view.sources {
+            let view::Mapping::Column(col) = mapping else {
+                continue;
+            };
+            let Some(m) = mirrors.values().find(|m| &m.source == table) else {
+                continue;
+            };
+            if m.key.len() == 1 && &m.columns[m.key[0]].name == col {
+                continue; // the primary key already is one
+            }
+            let name: String = format!("{}_{col}_pgcdc", m.table)
+                .chars()
+                .take(63)
+                .collect();
+            let sql = format!(
+                "CREATE INDEX IF NOT EXISTS {} ON {} ({})",
+                crate::source::slot::quote_ident(&name),
+                m.qualified,
+                crate::source::slot::quote_ident(col)
+            );
+            if let Err(e) = db.batch_execute(&sql).await {
+                // Another instance starting at the same moment made it.
+                let raced = e.code().is_some_and(|c| {
+                    *c == tokio_postgres::error::SqlState::DUPLICATE_TABLE
+                        || *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+                });
+                if !raced {
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Fills the Bloom filter with every key the durable tier holds: mirror
+/// rows and tombstones. (A key it misses only costs a round trip.)
+async fn seed_bloom(
+    db: &Client,
+    mirrors: &HashMap<String, Mirror>,
+    fast: &mut fast_tier::FastTier,
+) -> Result<(), MaterializeError> {
+    let started = Instant::now();
+    let mut keys = 0u64;
+    for m in mirrors.values() {
+        let cols: Vec<String> = m
+            .key
+            .iter()
+            .map(|&i| {
+                format!(
+                    "{}::text",
+                    crate::source::slot::quote_ident(&m.columns[i].name)
+                )
+            })
+            .collect();
+        let rows = db
+            .query_raw(
+                &format!("SELECT {} FROM {}", cols.join(", "), m.qualified),
+                std::iter::empty::<i32>(),
+            )
+            .await?;
+        pin_mut!(rows);
+        while let Some(row) = rows.try_next().await? {
+            let key: Vec<String> = (0..cols.len())
+                .map(|i| row.get::<_, Option<String>>(i).unwrap_or_default())
+                .collect();
+            fast.seen(&m.cache_key(&key));
+            keys += 1;
+        }
+    }
+    let rows = db
+        .query_raw(
+            "SELECT mirror || '|' || key FROM pgcdc_state.tombstones",
+            std::iter::empty::<i32>(),
+        )
+        .await?;
+    pin_mut!(rows);
+    while let Some(row) = rows.try_next().await? {
+        fast.seen(row.get::<_, &str>(0));
+        keys += 1;
+    }
+    tracing::info!(
+        keys,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "bloom filter seeded from the durable tier"
+    );
     Ok(())
 }
 
@@ -451,9 +717,8 @@ fn is_data_error(e: &tokio_postgres::Error) -> Option<&'static str> {
 async fn apply_batch(
     state: &mut State,
     db: &mut Client,
-    producer: &sink::Producer,
+    dead_letters: &DeadLetters<'_>,
     batch: &[rdkafka::message::OwnedMessage],
-    dlq: &str,
 ) -> Result<(), MaterializeError> {
     let mut dead: Vec<(usize, Failure)> = Vec::new();
     let mut changes: Vec<(usize, Change)> = Vec::new();
@@ -463,7 +728,7 @@ async fn apply_batch(
         match state.decode(m.topic(), value).await {
             Ok(c) => changes.push((i, c)),
             Err(f) if f.class == REGISTRY_UNAVAILABLE => {
-                return Err(MaterializeError::Schema(f.error));
+                return Err(MaterializeError::RegistryUnavailable(f.error));
             }
             Err(f) => dead.push((i, f)),
         }
@@ -471,31 +736,102 @@ async fn apply_batch(
     // Undecodable records are durable in the dead-letter topic before the
     // batch commits (a redelivery fails and sends them again).
     for (i, f) in &dead {
-        dead_letter(producer, dlq, &batch[*i], f).await?;
+        dead_letters.send(&batch[*i], f).await?;
     }
-    let mut attempt = 0u32;
-    let done = loop {
+    let keys: Vec<String> = changes
+        .iter()
+        .filter(|(_, c)| c.op != "t")
+        .filter_map(|(i, c)| {
+            let m = state.mirrors.get(batch[*i].topic())?;
+            Some(m.cache_key(&c.key))
+        })
+        .collect();
+    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let known = state.fast.lookup(&key_refs).await?;
+    // Inserts of keys the Bloom filter never saw: one guarded statement.
+    let fresh: HashSet<String> = if state.fast.has_bloom() {
+        changes
+            .iter()
+            .filter(|(_, c)| c.op == "c" || c.op == "r")
+            .filter_map(|(i, c)| {
+                let key = state.mirrors.get(batch[*i].topic())?.cache_key(&c.key);
+                (!state.fast.may_have_seen(&key)).then_some(key)
+            })
+            .collect()
+    } else {
+        HashSet::new()
+    };
+    let lookups = Lookups { known, fresh };
+    let mut done = match apply_with_retry(state, db, dead_letters, batch, &changes, &lookups).await
+    {
+        Ok(done) => done,
+        Err(MaterializeError::ViewRejected { class, error }) => {
+            // Find the change(s) the view cannot take: one transaction each.
+            tracing::warn!(%error, "a read model rejected this batch; applying it one change at a time");
+            let mut total = Done::default();
+            for one in changes.chunks(1) {
+                match apply_with_retry(state, db, dead_letters, batch, one, &lookups).await {
+                    Ok(done) => total.add(done),
+                    Err(MaterializeError::ViewRejected { error, .. }) => {
+                        let (i, change) = &one[0];
+                        let f = Failure {
+                            class,
+                            error,
+                            position: Some(change.position),
+                        };
+                        // Nothing of it committed; durable in the topic
+                        // before the offsets move.
+                        dead_letters.send(&batch[*i], &f).await?;
+                        total.dead.push((*i, f));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            total
+        }
+        Err(e) => return Err(e),
+    };
+    dead.append(&mut done.dead);
+    state.fast.committed(&done.committed).await?;
+    metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
+    metrics::counter!(observe::MATERIALIZE_BLOOM_SKIPS).increment(done.bloom_skips);
+    metrics::counter!(observe::MATERIALIZE_APPLIED).increment(done.applied);
+    metrics::counter!(observe::MATERIALIZE_DUPLICATES).increment(done.duplicates);
+    metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(dead.len() as u64);
+    Ok(())
+}
+
+/// What the fast tier said about a batch's keys before it started.
+struct Lookups {
+    /// Committed positions the fast tier knows.
+    known: HashMap<String, mirror::Position>,
+    /// Keys the Bloom filter never saw (inserts only).
+    fresh: HashSet<String>,
+}
+
+/// [`apply_once`], redone after a serialization failure or deadlock.
+async fn apply_with_retry(
+    state: &mut State,
+    db: &mut Client,
+    dead_letters: &DeadLetters<'_>,
+    batch: &[rdkafka::message::OwnedMessage],
+    changes: &[(usize, Change)],
+    lookups: &Lookups,
+) -> Result<Done, MaterializeError> {
+    let (mut attempt, mut careful) = (0u32, false);
+    loop {
         attempt += 1;
-        match apply_once(state, db, producer, dlq, batch, &changes).await {
-            Ok(done) => break done,
+        match apply_once(state, db, dead_letters, batch, changes, lookups, careful).await {
+            Err(MaterializeError::Rejected) => careful = true,
             // Another instance's transaction touched what this one read (a
             // view joining rows of two partitions): redo the batch.
             Err(MaterializeError::Postgres(e)) if is_retryable(&e) && attempt < 20 => {
                 tracing::debug!(attempt, error = %crate::source::error_text(&e), "batch conflicted; retrying");
                 tokio::time::sleep(Duration::from_millis(10 * u64::from(attempt))).await;
             }
-            Err(e) => return Err(e),
+            other => return other,
         }
-    };
-    dead.extend(done.dead);
-    for (key, position) in done.committed {
-        state.recent.committed(key, position);
     }
-    metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
-    metrics::counter!(observe::MATERIALIZE_APPLIED).increment(done.applied);
-    metrics::counter!(observe::MATERIALIZE_DUPLICATES).increment(done.duplicates);
-    metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(dead.len() as u64);
-    Ok(())
 }
 
 /// Serialization failures and deadlocks: the batch can simply be redone.
@@ -507,39 +843,68 @@ fn is_retryable(e: &tokio_postgres::Error) -> bool {
 }
 
 /// What one committed attempt at a batch did.
+#[derive(Default)]
 struct Done {
     committed: Vec<(String, mirror::Position)>,
     dead: Vec<(usize, Failure)>,
     applied: u64,
     duplicates: u64,
     fast_hits: u64,
+    bloom_skips: u64,
+}
+
+impl Done {
+    fn add(&mut self, other: Done) {
+        self.committed.extend(other.committed);
+        self.dead.extend(other.dead);
+        self.applied += other.applied;
+        self.duplicates += other.duplicates;
+        self.fast_hits += other.fast_hits;
+        self.bloom_skips += other.bloom_skips;
+    }
+}
+
+/// Adds the view keys a mirror row maps to now, for every view that reads
+/// the mirror's table.
+async fn view_keys(
+    tx: &tokio_postgres::Transaction<'_>,
+    statements: &mut Statements,
+    views: &[View],
+    m: &Mirror,
+    key: &[String],
+    affected: &mut [BTreeSet<String>],
+) -> Result<(), tokio_postgres::Error> {
+    for (view, out) in views.iter().zip(affected.iter_mut()) {
+        for (t, mapping) in &view.sources {
+            if t == &m.source {
+                view.keys_of(tx, statements, mapping, m, key, out).await?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Applies a batch in one serializable transaction and commits it.
 async fn apply_once(
     state: &mut State,
     db: &mut Client,
-    producer: &sink::Producer,
-    dlq: &str,
+    dead_letters: &DeadLetters<'_>,
     batch: &[rdkafka::message::OwnedMessage],
     changes: &[(usize, Change)],
+    lookups: &Lookups,
+    careful: bool,
 ) -> Result<Done, MaterializeError> {
     // Serializable: two instances recomputing a view from rows of
     // different partitions must not each miss the other's change.
-    let mut tx = db
+    let tx = db
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::Serializable)
         .start()
         .await?;
-    let (views, mirrors, statements, recent) = (
-        &state.views,
-        &state.mirrors,
-        &mut state.statements,
-        &mut state.recent,
-    );
+    let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
     let mut dead: Vec<(usize, Failure)> = Vec::new();
     let mut committed: Vec<(String, mirror::Position)> = Vec::new();
-    let mut fast_hits = 0u64;
+    let (mut fast_hits, mut bloom_skips) = (0u64, 0u64);
     let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
     let (mut applied, mut duplicates) = (0u64, 0u64);
     for (i, change) in changes {
@@ -547,58 +912,66 @@ async fn apply_once(
         let Some(m) = mirrors.get(topic) else {
             continue;
         };
-        let cache_key = format!("{}|{}", m.qualified, m.key_text(&change.key));
+        let cache_key = m.cache_key(&change.key);
         // The fast tier can only say "applied"; everything else is checked
         // against the durable positions below.
-        if change.op != "t" && recent.applied(&cache_key, change.position) {
+        if change.op != "t"
+            && lookups
+                .known
+                .get(&cache_key)
+                .is_some_and(|p| change.position <= *p)
+        {
             duplicates += 1;
             fast_hits += 1;
             continue;
         }
-        let sp = tx.savepoint("change").await?;
+        let fresh = lookups.fresh.contains(&cache_key);
+        // A savepoint per change only when a change was rejected before:
+        // more than 64 subtransactions slow every visibility check of the
+        // transaction, so the common case runs without them.
+        if careful {
+            tx.batch_execute("SAVEPOINT change").await?;
+        }
+        let sp = &tx;
         let result: Result<Outcome, tokio_postgres::Error> = async {
             if change.op == "t" {
                 // Every view row that may depend on the table.
                 for (v, view) in views.iter().enumerate() {
                     if view.sources.iter().any(|(t, _)| t == &m.source) {
-                        view.all_keys(&sp, &mut affected[v]).await?;
+                        view.all_keys(sp, &mut affected[v]).await?;
                     }
                 }
-                return mirror::truncate(&sp, m, change.position).await;
+                return mirror::truncate(sp, m, change.position).await;
             }
-            if !mirror::is_new(&sp, m, &change.key, change.position).await? {
+            if let (true, Some(cells)) = (fresh, &change.cells) {
+                if mirror::insert_new(sp, statements, m, cells, change.position).await? {
+                    // No row before it: only the new row's view keys.
+                    view_keys(sp, statements, views, m, &change.key, &mut affected).await?;
+                    return Ok(Outcome::Inserted);
+                }
+            }
+            if !mirror::is_new(sp, statements, m, &change.key, change.position).await? {
                 return Ok(Outcome::Duplicate);
             }
             // View keys of the row as it was, then as it is.
-            for (v, view) in views.iter().enumerate() {
-                for (t, mapping) in &view.sources {
-                    if t == &m.source {
-                        view.keys_of(&sp, mapping, m, &change.key, &mut affected[v])
-                            .await?;
-                    }
-                }
-            }
+            view_keys(sp, statements, views, m, &change.key, &mut affected).await?;
             match &change.cells {
-                Some(cells) => mirror::upsert(&sp, statements, m, cells, change.position).await?,
-                None => mirror::delete(&sp, m, &change.key, change.position).await?,
+                Some(cells) => mirror::upsert(sp, statements, m, cells, change.position).await?,
+                None => mirror::delete(sp, statements, m, &change.key, change.position).await?,
             };
-            for (v, view) in views.iter().enumerate() {
-                for (t, mapping) in &view.sources {
-                    if t == &m.source {
-                        view.keys_of(&sp, mapping, m, &change.key, &mut affected[v])
-                            .await?;
-                    }
-                }
-            }
+            view_keys(sp, statements, views, m, &change.key, &mut affected).await?;
             Ok(Outcome::Applied)
         }
         .await;
         match result {
             Ok(outcome) => {
-                sp.commit().await?;
+                if careful {
+                    tx.batch_execute("RELEASE SAVEPOINT change").await?;
+                }
                 match outcome {
-                    Outcome::Applied => {
+                    Outcome::Applied | Outcome::Inserted => {
                         applied += 1;
+                        bloom_skips += u64::from(outcome == Outcome::Inserted);
                         if change.op != "t" {
                             committed.push((cache_key, change.position));
                         }
@@ -607,8 +980,10 @@ async fn apply_once(
                 }
             }
             Err(e) => match is_data_error(&e) {
+                // The transaction is lost; redo the batch with savepoints.
+                Some(_) if !careful => return Err(MaterializeError::Rejected),
                 Some(class) => {
-                    sp.rollback().await?;
+                    tx.batch_execute("ROLLBACK TO SAVEPOINT change").await?;
                     dead.push((
                         *i,
                         Failure {
@@ -626,8 +1001,17 @@ async fn apply_once(
         view.recompute(&tx, &affected[v])
             .await
             .map_err(|e| match e {
-                view::ViewError::Db(e) => MaterializeError::Postgres(e),
-                view::ViewError::Key(k) => MaterializeError::Schema(k),
+                view::ViewError::Db(e) => match is_data_error(&e) {
+                    Some(class) => MaterializeError::ViewRejected {
+                        class,
+                        error: format!("{}: {}", view.name, crate::source::error_text(&e)),
+                    },
+                    None => MaterializeError::Postgres(e),
+                },
+                view::ViewError::Key(error) => MaterializeError::ViewRejected {
+                    class: "unsupported_value",
+                    error,
+                },
             })?;
     }
     // Rejected changes are durable in the dead-letter topic before the
@@ -636,7 +1020,7 @@ async fn apply_once(
     // attempt may send one twice; the dead-letter workflow deduplicates
     // by origin offset.)
     for (i, f) in &dead {
-        dead_letter(producer, dlq, &batch[*i], f).await?;
+        dead_letters.send(&batch[*i], f).await?;
     }
     tx.commit().await?;
     Ok(Done {
@@ -645,66 +1029,57 @@ async fn apply_once(
         applied,
         duplicates,
         fast_hits,
+        bloom_skips,
     })
 }
 
-async fn dead_letter(
-    producer: &sink::Producer,
-    dlq: &str,
-    m: &rdkafka::message::OwnedMessage,
-    f: &Failure,
-) -> Result<(), MaterializeError> {
-    let now = crate::connector::now_ms().to_string();
-    let partition = m.partition().to_string();
-    let offset = m.offset().to_string();
-    let position = f
-        .position
-        .map(|(c, s)| format!("{c}:{s}"))
-        .unwrap_or_default();
-    tracing::warn!(topic = m.topic(), partition = m.partition(), offset = m.offset(), class = f.class, error = %f.error, "change dead-lettered");
-    let headers = OwnedHeaders::new()
-        .insert(Header {
-            key: "pgcdc.failure.class",
-            value: Some(f.class),
-        })
-        .insert(Header {
-            key: "pgcdc.failure.error",
-            value: Some(f.error.as_str()),
-        })
-        .insert(Header {
-            key: "pgcdc.origin.topic",
-            value: Some(m.topic()),
-        })
-        .insert(Header {
-            key: "pgcdc.origin.partition",
-            value: Some(partition.as_str()),
-        })
-        .insert(Header {
-            key: "pgcdc.origin.offset",
-            value: Some(offset.as_str()),
-        })
-        .insert(Header {
-            key: "pgcdc.position",
-            value: Some(position.as_str()),
-        })
-        .insert(Header {
-            key: "pgcdc.attempts",
-            value: Some("1"),
-        })
-        .insert(Header {
-            key: "pgcdc.first_failure_ms",
-            value: Some(now.as_str()),
-        })
-        .insert(Header {
-            key: "pgcdc.last_failure_ms",
-            value: Some(now.as_str()),
-        });
-    let f = producer
-        .send_with_headers(dlq, m.key(), m.payload(), headers)
-        .await?;
-    match f.await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err((e, _))) => Err(MaterializeError::DeadLetter(e.to_string())),
-        Err(_) => Err(MaterializeError::DeadLetter("producer dropped".into())),
+/// The dead-letter topic and the producer that writes to it.
+struct DeadLetters<'a> {
+    producer: &'a sink::Producer,
+    topic: &'a str,
+}
+
+impl DeadLetters<'_> {
+    /// Sends `m` with its failure in the headers; returns once Kafka
+    /// acknowledged it.
+    async fn send(
+        &self,
+        m: &rdkafka::message::OwnedMessage,
+        f: &Failure,
+    ) -> Result<(), MaterializeError> {
+        let now = crate::connector::now_ms().to_string();
+        let partition = m.partition().to_string();
+        let offset = m.offset().to_string();
+        let position = f
+            .position
+            .map(|(c, s)| format!("{c}:{s}"))
+            .unwrap_or_default();
+        tracing::warn!(topic = m.topic(), partition = m.partition(), offset = m.offset(), class = f.class, error = %f.error, "change dead-lettered");
+        let mut headers = OwnedHeaders::new();
+        for (key, value) in [
+            ("pgcdc.failure.class", f.class),
+            ("pgcdc.failure.error", f.error.as_str()),
+            ("pgcdc.origin.topic", m.topic()),
+            ("pgcdc.origin.partition", partition.as_str()),
+            ("pgcdc.origin.offset", offset.as_str()),
+            ("pgcdc.position", position.as_str()),
+            ("pgcdc.attempts", "1"),
+            ("pgcdc.first_failure_ms", now.as_str()),
+            ("pgcdc.last_failure_ms", now.as_str()),
+        ] {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        let f = self
+            .producer
+            .send_with_headers(self.topic, m.key(), m.payload(), headers)
+            .await?;
+        match f.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(MaterializeError::DeadLetter(e.to_string())),
+            Err(_) => Err(MaterializeError::DeadLetter("producer dropped".into())),
+        }
     }
 }

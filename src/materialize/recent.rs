@@ -5,24 +5,29 @@
 //! below one committed for the key; positions only grow, so the durable
 //! tier holds at least that). Anything else, a miss or an evicted key
 //! included, falls through to the durable tier. Positions enter only after
-//! their database transaction committed.
+//! their database transaction committed. An entry older than the TTL is
+//! a miss, like an evicted one.
 
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 use super::mirror::Position;
 
 #[derive(Debug)]
 pub struct Recent {
     capacity: usize,
+    ttl: Duration,
     tick: u64,
-    entries: HashMap<String, (Position, u64)>,
+    /// Key → (position, last use, when the position was stored).
+    entries: HashMap<String, (Position, u64, Instant)>,
     order: BTreeMap<u64, String>,
 }
 
 impl Recent {
-    pub fn new(capacity: usize) -> Recent {
+    pub fn new(capacity: usize, ttl: Duration) -> Recent {
         Recent {
             capacity,
+            ttl,
             tick: 0,
             entries: HashMap::new(),
             order: BTreeMap::new(),
@@ -31,14 +36,22 @@ impl Recent {
 
     /// Whether `position` is known to be applied for `key`.
     pub fn applied(&mut self, key: &str, position: Position) -> bool {
-        let Some((stored, used)) = self.entries.get_mut(key) else {
-            return false;
-        };
+        self.get(key).is_some_and(|stored| position <= stored)
+    }
+
+    /// The newest committed position known for `key`.
+    pub fn get(&mut self, key: &str) -> Option<Position> {
+        let (stored, used, at) = self.entries.get_mut(key)?;
+        if at.elapsed() > self.ttl {
+            self.order.remove(used);
+            self.entries.remove(key);
+            return None;
+        }
         self.tick += 1;
         self.order.remove(used);
         *used = self.tick;
         self.order.insert(self.tick, key.to_string());
-        position <= *stored
+        Some(*stored)
     }
 
     /// Records a committed position (never moving one backwards).
@@ -47,10 +60,11 @@ impl Recent {
             return;
         }
         self.tick += 1;
-        if let Some((stored, used)) = self.entries.get_mut(&key) {
+        if let Some((stored, used, at)) = self.entries.get_mut(&key) {
             self.order.remove(used);
             *stored = (*stored).max(position);
             *used = self.tick;
+            *at = Instant::now();
             self.order.insert(self.tick, key);
             return;
         }
@@ -61,7 +75,8 @@ impl Recent {
             self.entries.remove(&oldest);
         }
         self.order.insert(self.tick, key.clone());
-        self.entries.insert(key, (position, self.tick));
+        self.entries
+            .insert(key, (position, self.tick, Instant::now()));
     }
 
     /// Forgets everything (the durable tier still knows).
@@ -85,7 +100,7 @@ mod tests {
 
     #[test]
     fn only_known_positions_are_reported_applied() {
-        let mut r = Recent::new(2);
+        let mut r = Recent::new(2, Duration::from_secs(60));
         assert!(!r.applied("a", (1, 1)), "a miss falls through");
         r.committed("a".into(), (5, 2));
         assert!(r.applied("a", (5, 2)));
@@ -97,7 +112,7 @@ mod tests {
 
     #[test]
     fn the_least_recently_used_key_is_evicted() {
-        let mut r = Recent::new(2);
+        let mut r = Recent::new(2, Duration::from_secs(60));
         r.committed("a".into(), (1, 0));
         r.committed("b".into(), (1, 0));
         assert!(r.applied("a", (1, 0)));
@@ -107,6 +122,19 @@ mod tests {
         assert!(r.applied("a", (1, 0)));
         assert!(r.applied("c", (1, 0)));
         r.clear();
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn an_expired_entry_is_a_miss() {
+        let mut r = Recent::new(2, Duration::from_millis(30));
+        r.committed("a".into(), (5, 2));
+        assert!(r.applied("a", (5, 2)));
+        std::thread::sleep(Duration::from_millis(60));
+        assert!(
+            !r.applied("a", (5, 2)),
+            "past the TTL the durable tier decides"
+        );
         assert!(r.is_empty());
     }
 }

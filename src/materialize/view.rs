@@ -14,7 +14,7 @@ use tokio_postgres::GenericClient;
 use crate::config::ReadModelConfig;
 use crate::source::slot::quote_ident;
 
-use super::mirror::Mirror;
+use super::mirror::{Mirror, Statements};
 
 /// A recompute that failed: in the database (maybe retryable), or on a
 /// key that does not fit the query's parameter.
@@ -217,6 +217,7 @@ impl View {
     pub async fn keys_of(
         &self,
         client: &impl GenericClient,
+        statements: &mut Statements,
         mapping: &Mapping,
         mirror: &Mirror,
         key: &[String],
@@ -226,17 +227,14 @@ impl View {
             Mapping::Column(col) => {
                 let params: Vec<&(dyn ToSql + Sync)> =
                     key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
-                let rows = client
-                    .query(
-                        &format!(
-                            "SELECT {}::text FROM {} WHERE {}",
-                            quote_ident(col),
-                            mirror.qualified,
-                            mirror.key_where(1)
-                        ),
-                        &params,
-                    )
-                    .await?;
+                let sql = format!(
+                    "SELECT {}::text FROM {} WHERE {}",
+                    quote_ident(col),
+                    mirror.qualified,
+                    mirror.key_where(1)
+                );
+                let sql = statements.prepare(client, &sql).await?;
+                let rows = client.query(&sql, &params).await?;
                 out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
             }
             Mapping::Query { sql, param } => {
@@ -244,8 +242,9 @@ impl View {
                 let Ok(bound) = bind_one(param, k) else {
                     return Ok(());
                 };
+                let sql = statements.prepare(client, sql).await?;
                 let rows = client
-                    .query(sql.as_str(), &[bound.as_ref() as &(dyn ToSql + Sync)])
+                    .query(&sql, &[bound.as_ref() as &(dyn ToSql + Sync)])
                     .await?;
                 out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
             }

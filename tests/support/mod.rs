@@ -460,6 +460,17 @@ pub struct Record {
     pub offset: i64,
     pub key: Option<Vec<u8>>,
     pub value: Option<Vec<u8>>,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Record {
+    /// A header's value as text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
 }
 
 /// Reads a topic from the beginning of every partition until `count`
@@ -494,6 +505,7 @@ pub async fn read_topic_at(
     done: impl Fn(&[Record]) -> bool + Send + 'static,
 ) -> Vec<Record> {
     use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::message::Headers;
     use rdkafka::{Message, Offset, TopicPartitionList};
     let brokers = brokers.to_string();
     let topic = topic.to_string();
@@ -538,6 +550,17 @@ pub async fn read_topic_at(
                         offset: m.offset(),
                         key: m.key().map(<[u8]>::to_vec),
                         value: m.payload().map(<[u8]>::to_vec),
+                        headers: m
+                            .headers()
+                            .map(|h| {
+                                h.iter()
+                                    .map(|h| {
+                                        let v = h.value.unwrap_or_default();
+                                        (h.key.to_string(), String::from_utf8_lossy(v).into_owned())
+                                    })
+                                    .collect()
+                            })
+                            .unwrap_or_default(),
                     });
                     if out.len() - checked < 5_000 {
                         continue;
