@@ -83,7 +83,9 @@ async fn insert_txns(client: &tokio_postgres::Client, first: i64, txns: i64, row
 /// commit LSN is above `lsn`.
 async fn wait_offset_beyond(config: &pgcdc::config::Config, lsn: u64) {
     let topic = pgcdc::offsets::topic(config);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    // Generous: a replay of 200,000 rows in a debug build, beside the
+    // other tests, on two cores.
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
     loop {
         let latest = pgcdc::offsets::latest(&config.kafka, &topic, &config.source.slot)
             .await

@@ -842,6 +842,11 @@ async fn changes_the_target_rejects_are_dead_lettered_and_the_partition_moves_on
         counter(&addr, "pgcdc_materialize_dead_lettered_total").await,
         2.0
     );
+    assert_eq!(
+        end_offsets(&stack, &dlq).await,
+        2,
+        "a change dead-lettered twice"
+    );
     assert!(
         m.try_wait().expect("status").is_none(),
         "the materializer exited"
@@ -925,4 +930,78 @@ async fn unchanged_toast_keeps_the_mirror_value_and_old_tombstones_are_swept() {
     assert_eq!(connector.terminate().await, 0);
     source_db.drop_db().await;
     target_db.drop_db().await;
+}
+
+/// The Bloom filter's path: an insert guarded in one statement must refuse
+/// whenever the durable tier holds a position for the key (a row, a
+/// tombstone, a truncate at or after it), whatever the filter believed.
+#[tokio::test]
+async fn a_guarded_insert_never_passes_a_stored_position() {
+    use pgcdc::materialize::mirror::{self, Mirror, Statements};
+    use pgcdc::materialize::shape::{Cell, Column};
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "mat_guard").await;
+    let mut client = db.client().await;
+    client
+        .batch_execute(&format!("{}\nCREATE SCHEMA m;", mirror::STATE_SQL))
+        .await
+        .expect("state");
+    let column = |name: &str, sql_type: &str| Column {
+        name: name.into(),
+        sql_type: sql_type.into(),
+    };
+    let m = Mirror::new(
+        "m",
+        "t",
+        "public.t",
+        vec![column("id", "bigint"), column("v", "text")],
+        &["id".to_string()],
+    )
+    .expect("mirror");
+    m.ensure(&client).await.expect("ensure");
+    let row = |id: &str| vec![Cell::Text(id.into()), Cell::Text("x".into())];
+    let mut statements = Statements::default();
+    let tx = client.transaction().await.expect("tx");
+    // A new key goes in; the same key again does not.
+    assert!(
+        mirror::insert_new(&tx, &mut statements, &m, &row("1"), (10, 0))
+            .await
+            .expect("1")
+    );
+    assert!(
+        !mirror::insert_new(&tx, &mut statements, &m, &row("1"), (11, 0))
+            .await
+            .expect("1 again")
+    );
+    // A deleted key: its tombstone refuses even an older redelivery.
+    mirror::delete(&tx, &mut statements, &m, &["1".to_string()], (12, 0))
+        .await
+        .expect("delete");
+    assert!(
+        !mirror::insert_new(&tx, &mut statements, &m, &row("1"), (10, 0))
+            .await
+            .expect("after delete")
+    );
+    // A truncate at or after the position refuses; one before it does not.
+    mirror::truncate(&tx, &m, (20, 5)).await.expect("truncate");
+    assert!(
+        !mirror::insert_new(&tx, &mut statements, &m, &row("2"), (20, 5))
+            .await
+            .expect("at truncate")
+    );
+    assert!(
+        mirror::insert_new(&tx, &mut statements, &m, &row("2"), (20, 6))
+            .await
+            .expect("after truncate")
+    );
+    let rows: Vec<(i64, i64)> = tx
+        .query("SELECT id, _pgcdc_commit_lsn FROM m.t ORDER BY id", &[])
+        .await
+        .expect("rows")
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    assert_eq!(rows, [(2, 20)]);
+    tx.rollback().await.expect("rollback");
+    db.drop_db().await;
 }

@@ -416,6 +416,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     let dead_letters = DeadLetters {
         producer: &producer,
         topic: &dlq,
+        sent: Default::default(),
     };
 
     let group = target
@@ -524,6 +525,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             // After a rebalance the new owner re-reads; the guard skips.
             tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
         }
+        dead_letters.batch_done();
         if let (Ok(mut c), Ok(owned)) = (committed.lock(), consumer.assignment()) {
             c.extend(next);
             // Partitions a rebalance gave away are the new owner's to report.
@@ -733,11 +735,6 @@ async fn apply_batch(
             Err(f) => dead.push((i, f)),
         }
     }
-    // Undecodable records are durable in the dead-letter topic before the
-    // batch commits (a redelivery fails and sends them again).
-    for (i, f) in &dead {
-        dead_letters.send(&batch[*i], f).await?;
-    }
     let keys: Vec<String> = changes
         .iter()
         .filter(|(_, c)| c.op != "t")
@@ -762,17 +759,22 @@ async fn apply_batch(
         HashSet::new()
     };
     let lookups = Lookups { known, fresh };
+    // Undecodable records are durable in the dead-letter topic before the
+    // batch commits (a redelivery fails and sends them again).
+    for (i, f) in &dead {
+        dead_letters.send(&batch[*i], f).await?;
+    }
     let mut done = match apply_with_retry(state, db, dead_letters, batch, &changes, &lookups).await
     {
         Ok(done) => done,
-        Err(MaterializeError::ViewRejected { class, error }) => {
+        Err(MaterializeError::ViewRejected { error, .. }) => {
             // Find the change(s) the view cannot take: one transaction each.
             tracing::warn!(%error, "a read model rejected this batch; applying it one change at a time");
             let mut total = Done::default();
             for one in changes.chunks(1) {
                 match apply_with_retry(state, db, dead_letters, batch, one, &lookups).await {
                     Ok(done) => total.add(done),
-                    Err(MaterializeError::ViewRejected { error, .. }) => {
+                    Err(MaterializeError::ViewRejected { class, error }) => {
                         let (i, change) = &one[0];
                         let f = Failure {
                             class,
@@ -1037,12 +1039,38 @@ async fn apply_once(
 struct DeadLetters<'a> {
     producer: &'a sink::Producer,
     topic: &'a str,
+    /// Origins sent while the current batch is retried, so that a retry
+    /// does not send them again.
+    sent: std::sync::Mutex<HashSet<(String, i32, i64)>>,
 }
 
 impl DeadLetters<'_> {
     /// Sends `m` with its failure in the headers; returns once Kafka
-    /// acknowledged it.
+    /// acknowledged it. Once per origin until [`DeadLetters::batch_done`].
     async fn send(
+        &self,
+        m: &rdkafka::message::OwnedMessage,
+        f: &Failure,
+    ) -> Result<(), MaterializeError> {
+        let origin = (m.topic().to_string(), m.partition(), m.offset());
+        if self.sent.lock().is_ok_and(|s| s.contains(&origin)) {
+            return Ok(());
+        }
+        self.deliver(m, f).await?;
+        if let Ok(mut s) = self.sent.lock() {
+            s.insert(origin);
+        }
+        Ok(())
+    }
+
+    /// The batch's offsets are committed: its messages are not seen again.
+    fn batch_done(&self) {
+        if let Ok(mut s) = self.sent.lock() {
+            s.clear();
+        }
+    }
+
+    async fn deliver(
         &self,
         m: &rdkafka::message::OwnedMessage,
         f: &Failure,
