@@ -1005,3 +1005,51 @@ async fn a_guarded_insert_never_passes_a_stored_position() {
     tx.rollback().await.expect("rollback");
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn a_column_added_to_the_source_while_running_is_added_to_the_mirror() {
+    let stack = support::stack();
+    let (source_db, target_db, source, target) = databases(&stack, "mat_evolve", 10, 10).await;
+    let config = ConfigFile::write(&pipeline(&stack, &source_db, &target_db));
+    let connector = ConnectorProcess::start(&config);
+    let m = materializer(&config, &[], &[]);
+    wait_converged(&source, &target).await;
+    source
+        .batch_execute(
+            "ALTER TABLE public.orders ADD COLUMN priority int;
+             UPDATE public.orders SET priority = 7 WHERE id = 1000001;
+             INSERT INTO public.orders (id, customer_id, amount, status, priority) VALUES (9200001, 1, 3.00, 'new', 3);",
+        )
+        .await
+        .expect("evolve the source");
+    let sql = "SELECT id, priority FROM {}.orders";
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let has = target
+            .query_one(
+                "SELECT count(*) FROM information_schema.columns
+                 WHERE table_schema = 'mirror' AND table_name = 'orders' AND column_name = 'priority'",
+                &[],
+            )
+            .await
+            .expect("columns")
+            .get::<_, i64>(0)
+            == 1;
+        if has
+            && checksum(&source, &sql.replace("{}", "public")).await
+                == checksum(&target, &sql.replace("{}", "mirror")).await
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the new column never matched"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    wait_converged(&source, &target).await;
+    assert_eq!(terminate(m).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}

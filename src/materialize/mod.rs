@@ -207,6 +207,51 @@ impl State {
         Ok(w)
     }
 
+    /// Adds to the mirror the columns a newer writer schema has (a column
+    /// added to the source table while this process runs), so that their
+    /// values are written from this change on.
+    async fn evolve(
+        &mut self,
+        db: &Client,
+        topic: &str,
+        w: &Writer,
+    ) -> Result<(), MaterializeError> {
+        let Some(m) = self.mirrors.get_mut(topic) else {
+            return Ok(());
+        };
+        let added: Vec<Column> = w.row["fields"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|f| {
+                let name = f["name"].as_str()?;
+                (!m.columns.iter().any(|c| c.name == name)).then(|| Column {
+                    name: name.to_string(),
+                    sql_type: shape::sql_type(&f["type"], &w.names),
+                })
+            })
+            .collect();
+        if added.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<String> = added.iter().map(|c| c.name.clone()).collect();
+        m.columns.extend(added);
+        if let Err(e) = m.ensure(db).await {
+            // Another instance added them at the same moment.
+            let raced = e.code().is_some_and(|c| {
+                *c == tokio_postgres::error::SqlState::DUPLICATE_COLUMN
+                    || *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
+            });
+            if !raced {
+                return Err(e.into());
+            }
+        }
+        // Statement texts were built for the old columns.
+        self.statements = Statements::default();
+        tracing::info!(mirror = %m.qualified, columns = ?names, "columns added to the mirror");
+        Ok(())
+    }
+
     /// Decodes a changelog record into a change for `mirror`.
     async fn decode(&mut self, topic: &str, value: &[u8]) -> Result<Change, Failure> {
         let bad = |error: String| Failure {
@@ -727,6 +772,11 @@ async fn apply_batch(
     for (i, m) in batch.iter().enumerate() {
         // Tombstones only serve compaction; the delete event came first.
         let Some(value) = m.payload() else { continue };
+        if let Some((id, _)) = unframe(value) {
+            if let Ok(w) = state.writer(id).await {
+                state.evolve(db, m.topic(), &w).await?;
+            }
+        }
         match state.decode(m.topic(), value).await {
             Ok(c) => changes.push((i, c)),
             Err(f) if f.class == REGISTRY_UNAVAILABLE => {
