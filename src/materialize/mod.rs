@@ -657,10 +657,7 @@ async fn index_view_columns(
             if m.key.len() == 1 && &m.columns[m.key[0]].name == col {
                 continue; // the primary key already is one
             }
-            let name: String = format!("{}_{col}_pgcdc", m.table)
-                .chars()
-                .take(63)
-                .collect();
+            let name = index_name(&m.table, col);
             let sql = format!(
                 "CREATE INDEX IF NOT EXISTS {} ON {} ({})",
                 crate::source::slot::quote_ident(&name),
@@ -680,6 +677,24 @@ async fn index_view_columns(
         }
     }
     Ok(())
+}
+
+/// `<mirror>_<column>_pgcdc`; past Postgres's 63 bytes, cut and made
+/// distinct again by a hash of the whole name.
+fn index_name(table: &str, column: &str) -> String {
+    let full = format!("{table}_{column}_pgcdc");
+    if full.len() <= 63 {
+        return full;
+    }
+    // FNV-1a: stable across Rust releases, so the name is too.
+    let hash = full.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    let mut cut = 50;
+    while !full.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}_{:012x}", &full[..cut], hash & 0xffff_ffff_ffff)
 }
 
 /// Fills the Bloom filter with every key the durable tier holds: mirror
@@ -1159,5 +1174,26 @@ impl DeadLetters<'_> {
             Ok(Err((e, _))) => Err(MaterializeError::DeadLetter(e.to_string())),
             Err(_) => Err(MaterializeError::DeadLetter("producer dropped".into())),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_names_fit_postgres_and_stay_distinct() {
+        assert_eq!(
+            index_name("orders", "customer_id"),
+            "orders_customer_id_pgcdc"
+        );
+        let long = "a".repeat(60);
+        let (x, y) = (
+            index_name(&long, "customer_id"),
+            index_name(&long, "customer_ix"),
+        );
+        assert!(x.len() <= 63 && y.len() <= 63, "{x} {y}");
+        assert_ne!(x, y);
+        assert!(index_name(&"é".repeat(40), "c").len() <= 63);
     }
 }
