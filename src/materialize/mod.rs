@@ -162,6 +162,8 @@ struct Change {
     cells: Option<Vec<Cell>>,
     /// The key texts, in key order.
     key: Vec<String>,
+    /// The key in the fast dedup tier ([`Mirror::cache_key`]).
+    cache_key: String,
 }
 
 struct State {
@@ -238,11 +240,7 @@ impl State {
         m.columns.extend(added);
         if let Err(e) = m.ensure(db).await {
             // Another instance added them at the same moment.
-            let raced = e.code().is_some_and(|c| {
-                *c == tokio_postgres::error::SqlState::DUPLICATE_COLUMN
-                    || *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
-            });
-            if !raced {
+            if !made_meanwhile(&e) {
                 return Err(e.into());
             }
         }
@@ -356,6 +354,7 @@ impl State {
             op,
             position,
             cells,
+            cache_key: mirror.cache_key(&key),
             key,
         })
     }
@@ -666,17 +665,24 @@ async fn index_view_columns(
             );
             if let Err(e) = db.batch_execute(&sql).await {
                 // Another instance starting at the same moment made it.
-                let raced = e.code().is_some_and(|c| {
-                    *c == tokio_postgres::error::SqlState::DUPLICATE_TABLE
-                        || *c == tokio_postgres::error::SqlState::UNIQUE_VIOLATION
-                });
-                if !raced {
+                if !made_meanwhile(&e) {
                     return Err(e.into());
                 }
             }
         }
     }
     Ok(())
+}
+
+/// Whether DDL with `IF NOT EXISTS` failed only because a concurrent
+/// transaction (another instance) created the same object first.
+fn made_meanwhile(e: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    e.code().is_some_and(|c| {
+        *c == SqlState::DUPLICATE_TABLE
+            || *c == SqlState::DUPLICATE_COLUMN
+            || *c == SqlState::UNIQUE_VIOLATION
+    })
 }
 
 /// `<mirror>_<column>_pgcdc`; past Postgres's 63 bytes, cut and made
@@ -800,29 +806,16 @@ async fn apply_batch(
             Err(f) => dead.push((i, f)),
         }
     }
-    let keys: Vec<String> = changes
-        .iter()
-        .filter(|(_, c)| c.op != "t")
-        .filter_map(|(i, c)| {
-            let m = state.mirrors.get(batch[*i].topic())?;
-            Some(m.cache_key(&c.key))
-        })
-        .collect();
-    let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let known = state.fast.lookup(&key_refs).await?;
+    let mut keys: Vec<&str> = Vec::new();
     // Inserts of keys the Bloom filter never saw: one guarded statement.
-    let fresh: HashSet<String> = if state.fast.has_bloom() {
-        changes
-            .iter()
-            .filter(|(_, c)| c.op == "c" || c.op == "r")
-            .filter_map(|(i, c)| {
-                let key = state.mirrors.get(batch[*i].topic())?.cache_key(&c.key);
-                (!state.fast.may_have_seen(&key)).then_some(key)
-            })
-            .collect()
-    } else {
-        HashSet::new()
-    };
+    let mut fresh: HashSet<String> = HashSet::new();
+    for (_, c) in changes.iter().filter(|(_, c)| c.op != "t") {
+        keys.push(&c.cache_key);
+        if (c.op == "c" || c.op == "r") && !state.fast.may_have_seen(&c.cache_key) {
+            fresh.insert(c.cache_key.clone());
+        }
+    }
+    let known = state.fast.lookup(&keys).await?;
     let lookups = Lookups { known, fresh };
     // Undecodable records are durable in the dead-letter topic before the
     // batch commits (a redelivery fails and sends them again).
@@ -979,20 +972,20 @@ async fn apply_once(
         let Some(m) = mirrors.get(topic) else {
             continue;
         };
-        let cache_key = m.cache_key(&change.key);
+        let cache_key = &change.cache_key;
         // The fast tier can only say "applied"; everything else is checked
         // against the durable positions below.
         if change.op != "t"
             && lookups
                 .known
-                .get(&cache_key)
+                .get(cache_key)
                 .is_some_and(|p| change.position <= *p)
         {
             duplicates += 1;
             fast_hits += 1;
             continue;
         }
-        let fresh = lookups.fresh.contains(&cache_key);
+        let fresh = lookups.fresh.contains(cache_key);
         // A savepoint per change only when a change was rejected before:
         // more than 64 subtransactions slow every visibility check of the
         // transaction, so the common case runs without them.
@@ -1040,7 +1033,7 @@ async fn apply_once(
                         applied += 1;
                         bloom_skips += u64::from(outcome == Outcome::Inserted);
                         if change.op != "t" {
-                            committed.push((cache_key, change.position));
+                            committed.push((cache_key.clone(), change.position));
                         }
                     }
                     Outcome::Duplicate => duplicates += 1,

@@ -34,11 +34,6 @@ impl Recent {
         }
     }
 
-    /// Whether `position` is known to be applied for `key`.
-    pub fn applied(&mut self, key: &str, position: Position) -> bool {
-        self.get(key).is_some_and(|stored| position <= stored)
-    }
-
     /// The newest committed position known for `key`.
     pub fn get(&mut self, key: &str) -> Option<Position> {
         let (stored, used, at) = self.entries.get_mut(key)?;
@@ -79,18 +74,9 @@ impl Recent {
             .insert(key, (position, self.tick, Instant::now()));
     }
 
-    /// Forgets everything (the durable tier still knows).
-    pub fn clear(&mut self) {
-        self.entries.clear();
-        self.order.clear();
-    }
-
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 }
 
@@ -99,15 +85,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_known_positions_are_reported_applied() {
+    fn only_committed_positions_are_known() {
         let mut r = Recent::new(2, Duration::from_secs(60));
-        assert!(!r.applied("a", (1, 1)), "a miss falls through");
+        assert_eq!(r.get("a"), None, "a miss falls through");
         r.committed("a".into(), (5, 2));
-        assert!(r.applied("a", (5, 2)));
-        assert!(r.applied("a", (4, 9)));
-        assert!(!r.applied("a", (5, 3)), "newer is not known");
+        assert_eq!(r.get("a"), Some((5, 2)));
         r.committed("a".into(), (1, 1));
-        assert!(r.applied("a", (5, 2)), "never moves backwards");
+        assert_eq!(r.get("a"), Some((5, 2)), "never moves backwards");
     }
 
     #[test]
@@ -115,26 +99,21 @@ mod tests {
         let mut r = Recent::new(2, Duration::from_secs(60));
         r.committed("a".into(), (1, 0));
         r.committed("b".into(), (1, 0));
-        assert!(r.applied("a", (1, 0)));
+        assert_eq!(r.get("a"), Some((1, 0)));
         r.committed("c".into(), (1, 0));
         assert_eq!(r.len(), 2);
-        assert!(!r.applied("b", (1, 0)), "b was least recently used");
-        assert!(r.applied("a", (1, 0)));
-        assert!(r.applied("c", (1, 0)));
-        r.clear();
-        assert!(r.is_empty());
+        assert_eq!(r.get("b"), None, "b was least recently used");
+        assert_eq!(r.get("a"), Some((1, 0)));
+        assert_eq!(r.get("c"), Some((1, 0)));
     }
 
     #[test]
     fn an_expired_entry_is_a_miss() {
         let mut r = Recent::new(2, Duration::from_millis(30));
         r.committed("a".into(), (5, 2));
-        assert!(r.applied("a", (5, 2)));
+        assert_eq!(r.get("a"), Some((5, 2)));
         std::thread::sleep(Duration::from_millis(60));
-        assert!(
-            !r.applied("a", (5, 2)),
-            "past the TTL the durable tier decides"
-        );
-        assert!(r.is_empty());
+        assert_eq!(r.get("a"), None, "past the TTL the durable tier decides");
+        assert_eq!(r.len(), 0);
     }
 }
