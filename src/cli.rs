@@ -56,6 +56,26 @@ pub enum Command {
     /// Postgres. Point pgcdc, Kafka clients and Confluent's serializers at
     /// http://LISTEN.
     Registry(RegistryArgs),
+    /// How far back each read model can be rebuilt from what Kafka still
+    /// holds: per source topic the retained offsets and their times, the
+    /// topic's cleanup.policy and retention settings, and whether the log
+    /// still begins with a complete snapshot; per read model the reach
+    /// (full history since T, current state only, or not rebuildable
+    /// without a new snapshot, with the gap named); and the slot's WAL and
+    /// its risk of invalidation. Exit 2 when a requirement (--require, or
+    /// read_models.NAME.require_reach) is not met.
+    Retention(RetentionArgs),
+    /// Rebuild a read model from the retained changelog: replay its source
+    /// topics into shadow tables with the materializer's dedup rules, then
+    /// swap them in atomically (the live mirrors of its sources, and every
+    /// read model over them, recomputed in full). Refused (exit 2) when
+    /// the log cannot give a complete rebuild, unless --from snapshot.
+    Rebuild(RebuildArgs),
+    /// Take an incremental snapshot of captured tables while `pgcdc run`
+    /// streams: the connector reads them in chunks between watermarks, so
+    /// a snapshot row never overwrites a newer change. Waits until it
+    /// completed unless --no-wait.
+    Snapshot(SnapshotArgs),
     /// Show or drop the pipeline's replication slot.
     Slot {
         #[command(subcommand)]
@@ -93,6 +113,77 @@ pub struct RunArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long, env = "PGCDC_METRICS_ADDR")]
     pub metrics_addr: Option<SocketAddr>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RetentionArgs {
+    /// Connector definition, e.g. connectors/demo.toml.
+    #[arg(
+        long,
+        short = 'c',
+        env = "PGCDC_CONFIG",
+        required_unless_present = "json_schema"
+    )]
+    pub config: Option<PathBuf>,
+    /// Only this read model (and its source topics).
+    #[arg(long)]
+    pub read_model: Option<String>,
+    /// Print the report as JSON (its schema: --json-schema).
+    #[arg(long)]
+    pub json: bool,
+    /// Print the JSON Schema of the --json report and exit.
+    #[arg(long)]
+    pub json_schema: bool,
+    /// How far back every reported read model must be rebuildable: a span
+    /// (90d, 12h, 1d12h), a timestamp (2026-01-01 or
+    /// 2026-01-01T00:00:00Z), an LSN (16/B374D848), or `current` (any
+    /// complete rebuild). Exit 2 and name the shortfall when it is not met.
+    #[arg(long)]
+    pub require: Option<String>,
+}
+
+/// Where `pgcdc rebuild` reads from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RebuildFrom {
+    /// The earliest complete snapshot the retained log holds, and every
+    /// change after it.
+    Earliest,
+    /// A fresh incremental snapshot of the source tables (needs `pgcdc
+    /// run` streaming); history before it is not in the rebuilt model.
+    Snapshot,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RebuildArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// The read model to rebuild.
+    #[arg(long)]
+    pub read_model: String,
+    #[arg(long, value_enum, default_value_t = RebuildFrom::Earliest)]
+    pub from: RebuildFrom,
+    /// Print what the rebuild did as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// With --from snapshot: give up when the snapshot has not completed
+    /// after this many seconds (default: wait).
+    #[arg(long)]
+    pub snapshot_timeout_secs: Option<u64>,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SnapshotArgs {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    /// A captured table (schema.table); repeat for several.
+    #[arg(long = "table", required = true)]
+    pub tables: Vec<String>,
+    /// Return once the request is in the WAL, without waiting.
+    #[arg(long)]
+    pub no_wait: bool,
+    /// Give up waiting after this many seconds (the snapshot goes on).
+    #[arg(long)]
+    pub timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -156,6 +247,9 @@ pub async fn execute(command: Command) -> u8 {
         Command::Materialize(args) => materialize(&args).await,
         Command::Registry(args) => registry(args).await,
         Command::Tail(args) => tail(&args).await,
+        Command::Retention(args) => retention(&args).await,
+        Command::Rebuild(args) => rebuild(&args).await,
+        Command::Snapshot(args) => snapshot(&args).await,
     };
     match outcome {
         Ok(code) => code,
@@ -243,6 +337,123 @@ async fn slot_command(action: SlotAction) -> Result<u8, Failure> {
             Ok(exit::OK)
         }
     }
+}
+
+async fn retention(args: &RetentionArgs) -> Result<u8, Failure> {
+    let Some(path) = args.config.clone().filter(|_| !args.json_schema) else {
+        print!("{}", crate::retention::JSON_SCHEMA);
+        return Ok(exit::OK);
+    };
+    let config = load(&ConfigArg { config: path }).map_err(config_failure)?;
+    let require = args
+        .require
+        .as_deref()
+        .map(crate::retention::reach::Requirement::parse)
+        .transpose()
+        .map_err(|e| Failure(format!("--require: {e}")))?;
+    let report =
+        crate::retention::gather(&config, args.read_model.as_deref(), require.as_ref()).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render());
+    }
+    let mut code = exit::OK;
+    for rm in &report.read_models {
+        if let Some(shortfall) = rm.requirement.as_ref().and_then(|v| v.shortfall.as_ref()) {
+            eprintln!("error: {}: {shortfall}", rm.name);
+            code = exit::CHECK_FAILED;
+        }
+    }
+    Ok(code)
+}
+
+async fn rebuild(args: &RebuildArgs) -> Result<u8, Failure> {
+    use crate::materialize::rebuild::{self, RebuildError, Start};
+    let config = load(&args.config).map_err(config_failure)?;
+    let start = match args.from {
+        RebuildFrom::Earliest => Start::Earliest,
+        RebuildFrom::Snapshot => Start::Snapshot,
+    };
+    let timeout = args
+        .snapshot_timeout_secs
+        .map(std::time::Duration::from_secs);
+    match rebuild::run(&config, &args.read_model, start, timeout).await {
+        Ok(outcome) => {
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&outcome)?);
+            } else {
+                print!("{}", outcome.render());
+            }
+            Ok(exit::OK)
+        }
+        Err(RebuildError::Refused(why)) => {
+            eprintln!("error: rebuild of {} refused: {why}", args.read_model);
+            Ok(exit::CHECK_FAILED)
+        }
+        Err(RebuildError::Failed(why)) => Err(Failure(why)),
+    }
+}
+
+async fn snapshot(args: &SnapshotArgs) -> Result<u8, Failure> {
+    use crate::connector::incremental;
+    let config = load(&args.config).map_err(config_failure)?;
+    let client = source::connect(&config.source.url).await.map_err(|e| {
+        Failure(format!(
+            "cannot connect to {}: {}",
+            config.source.url.redacted(),
+            source::error_text(&e)
+        ))
+    })?;
+    let name = &config.source.slot;
+    match slot::status(&client, name).await? {
+        None => {
+            return Err(Failure(format!(
+                "slot '{name}' does not exist: start `pgcdc run` first (its initial snapshot covers every table)"
+            )))
+        }
+        Some(s) if !s.active => eprintln!(
+            "note: no connector is streaming from slot '{name}' now; the snapshot begins when `pgcdc run` reads this request"
+        ),
+        Some(_) => {}
+    }
+    let id = incremental::signal(&client, &config, &args.tables)
+        .await
+        .map_err(Failure)?;
+    println!(
+        "incremental snapshot {id} requested for {}",
+        args.tables.join(", ")
+    );
+    if args.no_wait {
+        return Ok(exit::OK);
+    }
+    let timeout = args.timeout_secs.map(std::time::Duration::from_secs);
+    let done = incremental::wait(&config, &id, timeout, |m| {
+        let rows: Vec<String> = m
+            .rows
+            .iter()
+            .map(|(t, n)| format!("{t} {n} rows"))
+            .collect();
+        eprintln!("  {:?}: {}", m.phase, rows.join(", "));
+    })
+    .await
+    .map_err(Failure)?;
+    let rows: Vec<String> = done
+        .rows
+        .iter()
+        .map(|(t, n)| {
+            format!(
+                "{t} {n} rows in {} chunks",
+                done.chunks.get(t).copied().unwrap_or(0)
+            )
+        })
+        .collect();
+    println!(
+        "incremental snapshot {id} completed at LSN {}: {}",
+        done.consistent_point.as_deref().unwrap_or("?"),
+        rows.join(", ")
+    );
+    Ok(exit::OK)
 }
 
 async fn registry(args: RegistryArgs) -> Result<u8, Failure> {

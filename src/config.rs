@@ -98,6 +98,34 @@ pub struct Config {
     pub target: Option<TargetConfig>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub read_models: BTreeMap<String, ReadModelConfig>,
+    #[serde(default)]
+    pub retention: RetentionConfig,
+}
+
+/// Rebuild-reach checks that `pgcdc materialize` runs while it works.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionConfig {
+    /// Seconds between checks of every read model's rebuild reach and of
+    /// the slot (metrics, and a warning when a `require_reach` is not
+    /// met); 0 disables them.
+    #[serde(default = "default_retention_check_secs")]
+    pub check_interval_secs: u64,
+}
+
+impl Default for RetentionConfig {
+    fn default() -> Self {
+        RetentionConfig {
+            check_interval_secs: DEFAULT_RETENTION_CHECK_SECS,
+        }
+    }
+}
+
+/// Retention moves in hours or days; five minutes is fresh enough and
+/// costs a few metadata requests.
+pub const DEFAULT_RETENTION_CHECK_SECS: u64 = 300;
+fn default_retention_check_secs() -> u64 {
+    DEFAULT_RETENTION_CHECK_SECS
 }
 
 /// The source Postgres and what to capture from it.
@@ -143,6 +171,10 @@ pub struct SnapshotConfig {
     pub workers: usize,
     #[serde(default = "default_snapshot_chunk_rows")]
     pub chunk_rows: u64,
+    /// Rows per chunk of an incremental snapshot (`pgcdc snapshot`): each
+    /// chunk is read between two watermarks while streaming goes on.
+    #[serde(default = "default_incremental_chunk_rows")]
+    pub incremental_chunk_rows: u64,
 }
 
 impl Default for SnapshotConfig {
@@ -151,8 +183,17 @@ impl Default for SnapshotConfig {
             mode: SnapshotMode::default(),
             workers: DEFAULT_SNAPSHOT_WORKERS,
             chunk_rows: DEFAULT_SNAPSHOT_CHUNK_ROWS,
+            incremental_chunk_rows: DEFAULT_INCREMENTAL_CHUNK_ROWS,
         }
     }
+}
+
+/// Rows per incremental chunk: held in memory until the chunk's high
+/// watermark arrives, and a key changed inside the window drops its row,
+/// so small enough to keep the window short.
+pub const DEFAULT_INCREMENTAL_CHUNK_ROWS: u64 = 4096;
+fn default_incremental_chunk_rows() -> u64 {
+    DEFAULT_INCREMENTAL_CHUNK_ROWS
 }
 
 /// Heartbeats every 10 s keep an idle slot's lag near the WAL written in
@@ -407,6 +448,12 @@ pub struct ReadModelConfig {
     pub query: String,
     /// How a change to each source table maps to affected keys.
     pub sources: Vec<ReadModelSource>,
+    /// How far back this read model must stay rebuildable from the
+    /// retained log: a span (`90d`), a timestamp, an LSN, or `current`.
+    /// `pgcdc retention` exits 2 and `pgcdc materialize` warns when it is
+    /// not met.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub require_reach: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -519,6 +566,11 @@ impl Config {
             src.snapshot.chunk_rows > 0,
             "source.snapshot.chunk_rows",
             "must be greater than 0",
+        );
+        v.check(
+            (1..=1_000_000).contains(&src.snapshot.incremental_chunk_rows),
+            "source.snapshot.incremental_chunk_rows",
+            "must be between 1 and 1000000",
         );
 
         let k = &self.kafka;
@@ -643,6 +695,13 @@ impl Config {
                 &format!("{base}.sources"),
                 "must map at least one source table",
             );
+            if let Some(Err(e)) = rm
+                .require_reach
+                .as_deref()
+                .map(crate::retention::reach::Requirement::parse)
+            {
+                v.push(&format!("{base}.require_reach"), e);
+            }
             for (i, s) in rm.sources.iter().enumerate() {
                 let sp = format!("{base}.sources[{i}]");
                 if !src.tables.contains(&s.table) {
@@ -1047,6 +1106,18 @@ sources = [
                 "read_models.order_summary.sources[2]"
             ]
         );
+    }
+
+    #[test]
+    fn a_reach_requirement_must_parse() {
+        let base = format!(
+            "{MINIMAL}\n[target]\nurl = \"postgres://127.0.0.1/t\"\n[read_models.rm]\ntable = \"r.rm\"\nkey = [\"id\"]\nquery = \"SELECT 1\"\nsources = [{{ table = \"public.orders\", key_columns = [\"id\"] }}]\n"
+        );
+        let with = |req: &str| load(&format!("{base}require_reach = \"{req}\"\n"), &[]);
+        assert!(with("90d").is_ok());
+        assert!(with("current").is_ok());
+        let err = with("ninety days").err().map(paths);
+        assert_eq!(err, Some(vec!["read_models.rm.require_reach".to_string()]));
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod observe;
 pub mod offsets;
 pub mod preflight;
 pub mod registry;
+pub mod retention;
 pub mod secret;
 pub mod sink;
 pub mod snapshot_marker;

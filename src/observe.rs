@@ -41,6 +41,27 @@ pub const MATERIALIZE_CONSUMER_LAG: &str = "pgcdc_materialize_consumer_lag";
 pub const MATERIALIZE_RETRIES: &str = "pgcdc_materialize_retries_total";
 /// 1 while the confirmed LSN stands still as WAL grows.
 pub const SLOT_STALLED: &str = "pgcdc_slot_stalled";
+/// A read model's rebuild reach, by `read_model`: 2 full history, 1
+/// current state only (compacted), 0 not rebuildable without a snapshot.
+pub const REACH_KIND: &str = "pgcdc_rebuild_reach_kind";
+/// Full history: since when (Unix seconds), by `read_model`; 0 otherwise.
+pub const REACH_SINCE: &str = "pgcdc_rebuild_reach_since_seconds";
+/// 1 when the read model's `require_reach` is met, 0 when not.
+pub const REACH_REQUIREMENT_MET: &str = "pgcdc_rebuild_reach_requirement_met";
+/// The first retained offset, by `topic` and `partition`.
+pub const RETENTION_EARLIEST_OFFSET: &str = "pgcdc_retention_earliest_offset";
+/// The high watermark, by `topic` and `partition`.
+pub const RETENTION_LATEST_OFFSET: &str = "pgcdc_retention_latest_offset";
+/// The timestamp of the first retained record (Unix seconds), by `topic`
+/// and `partition`.
+pub const RETENTION_EARLIEST_TIMESTAMP: &str = "pgcdc_retention_earliest_timestamp_seconds";
+/// WAL the slot keeps (current LSN minus restart_lsn), in bytes.
+pub const SLOT_RETAINED_WAL_BYTES: &str = "pgcdc_slot_retained_wal_bytes";
+/// `safe_wal_size`: WAL that can still be written before the slot is in
+/// danger of invalidation (absent when unlimited).
+pub const SLOT_SAFE_WAL_SIZE_BYTES: &str = "pgcdc_slot_safe_wal_size_bytes";
+/// Retention checks that failed (Kafka or Postgres unreachable).
+pub const RETENTION_CHECK_ERRORS: &str = "pgcdc_retention_check_errors_total";
 
 /// Serves `/metrics` on `addr`.
 pub fn install(addr: SocketAddr) -> Result<(), String> {
@@ -98,4 +119,34 @@ fn describe() {
         SLOT_STALLED,
         "1 while the slot's confirmed LSN stands still as WAL grows"
     );
+    metrics::describe_gauge!(
+        REACH_KIND,
+        "Rebuild reach by read model: 2 full history, 1 current state only, 0 none"
+    );
+    metrics::describe_gauge!(
+        REACH_SINCE,
+        "Full history kept since (Unix seconds), by read model"
+    );
+    metrics::describe_gauge!(
+        REACH_REQUIREMENT_MET,
+        "1 when the read model's require_reach is met"
+    );
+    metrics::describe_gauge!(
+        RETENTION_EARLIEST_OFFSET,
+        "First retained offset, by topic and partition"
+    );
+    metrics::describe_gauge!(
+        RETENTION_LATEST_OFFSET,
+        "High watermark, by topic and partition"
+    );
+    metrics::describe_gauge!(
+        RETENTION_EARLIEST_TIMESTAMP,
+        "Timestamp of the first retained record (Unix seconds)"
+    );
+    metrics::describe_gauge!(SLOT_RETAINED_WAL_BYTES, "WAL the slot retains, in bytes");
+    metrics::describe_gauge!(
+        SLOT_SAFE_WAL_SIZE_BYTES,
+        "WAL that can be written before the slot is at risk of invalidation"
+    );
+    metrics::describe_counter!(RETENTION_CHECK_ERRORS, "Retention checks that failed");
 }

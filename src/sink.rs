@@ -198,6 +198,13 @@ impl Producer {
         Ok(())
     }
 
+    /// Waits until Kafka acknowledged (or refused) every message sent so
+    /// far, on every partition.
+    pub async fn flush(&self) -> Result<(), KafkaError> {
+        let p = self.inner.clone();
+        blocking(move || p.flush(Duration::from_secs(120))).await
+    }
+
     fn set_open(&self, value: bool) {
         if let Some(open) = &self.open {
             *open.lock().unwrap_or_else(|e| e.into_inner()) = value;
@@ -286,14 +293,28 @@ pub async fn ensure_state_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), 
 }
 
 /// The value of the latest record with `key` in partition 0 of a
-/// single-partition compacted topic, reading it from the beginning with
-/// `read_committed` (records of aborted Kafka transactions are invisible).
+/// single-partition compacted topic (see [`read_state_topic`]).
 pub async fn latest_by_key(
     kafka: &KafkaConfig,
     topic: &str,
     key: &str,
 ) -> Result<Option<Vec<u8>>, String> {
-    let (kafka, topic, key) = (kafka.clone(), topic.to_string(), key.to_string());
+    Ok(read_state_topic(kafka, topic)
+        .await?
+        .into_iter()
+        .rev()
+        .find(|(k, _)| k.as_deref() == Some(key.as_bytes()))
+        .and_then(|(_, v)| v))
+}
+
+/// Every record `(key, value)` of partition 0 of a single-partition state
+/// topic, oldest first, read from the beginning with `read_committed`
+/// (records of aborted Kafka transactions are invisible).
+pub async fn read_state_topic(
+    kafka: &KafkaConfig,
+    topic: &str,
+) -> Result<Vec<(Option<Vec<u8>>, Option<Vec<u8>>)>, String> {
+    let (kafka, topic) = (kafka.clone(), topic.to_string());
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = client_config(&kafka)
             .set("group.id", "pgcdc-state-reader")
@@ -304,14 +325,14 @@ pub async fn latest_by_key(
         let (low, high) = consumer
             .fetch_watermarks(&topic, 0, Duration::from_secs(10))
             .map_err(|e| format!("{topic}: {e}"))?;
+        let mut records = Vec::new();
         if high <= low {
-            return Ok(None);
+            return Ok(records);
         }
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition_offset(&topic, 0, Offset::Beginning)
             .map_err(|e| e.to_string())?;
         consumer.assign(&tpl).map_err(|e| e.to_string())?;
-        let mut found = None;
         let deadline = std::time::Instant::now() + Duration::from_secs(60);
         loop {
             if std::time::Instant::now() > deadline {
@@ -319,11 +340,9 @@ pub async fn latest_by_key(
             }
             match consumer.poll(Duration::from_millis(200)) {
                 Some(Ok(m)) => {
-                    if m.key() == Some(key.as_bytes()) {
-                        found = m.payload().map(<[u8]>::to_vec);
-                    }
+                    records.push((m.key().map(<[u8]>::to_vec), m.payload().map(<[u8]>::to_vec)));
                     if m.offset() + 1 >= high {
-                        return Ok(found);
+                        return Ok(records);
                     }
                 }
                 Some(Err(e)) => return Err(format!("{topic}: {e}")),
@@ -335,7 +354,7 @@ pub async fn latest_by_key(
                             .and_then(|e| e.offset().to_raw())
                     });
                     if at.is_some_and(|o| o >= high) {
-                        return Ok(found);
+                        return Ok(records);
                     }
                 }
             }

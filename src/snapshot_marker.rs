@@ -10,6 +10,13 @@
 //! - Markers record, per changelog partition, the offset where the
 //!   snapshot's rows begin and end, so `pgcdc retention` can tell whether a
 //!   retained log still begins with a complete snapshot.
+//! - Incremental snapshots (`pgcdc snapshot`, see [`crate::incremental`])
+//!   have markers of their own, keyed `<slot>/incremental/<id>`: `started`
+//!   with the start offsets before any of their rows is produced, then one
+//!   `started` marker per chunk with the cursor (so a restarted connector
+//!   resumes after the last chunk Kafka acknowledged), and `completed` once
+//!   every table was read. Reading a changelog topic from a completed
+//!   snapshot's start offsets gives every row of the snapshotted tables.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -27,11 +34,56 @@ pub enum Phase {
     Completed,
 }
 
+/// Which kind of snapshot a marker describes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    /// Taken on the slot's exported snapshot when the slot was created.
+    #[default]
+    Initial,
+    /// Taken in chunks while streaming goes on (`pgcdc snapshot`).
+    Incremental,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Initial => "initial",
+            Kind::Incremental => "incremental",
+        }
+    }
+}
+
+/// Where an incremental snapshot stands: the tables before `table` in
+/// [`Marker::tables`] are done, and `table` is done up to the key `after`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Cursor {
+    pub table: String,
+    /// The last key copied, as the text of each key column.
+    pub after: Vec<String>,
+}
+
 /// One marker record.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Marker {
     pub slot: String,
     pub phase: Phase,
+    #[serde(default)]
+    pub kind: Kind,
+    /// The id of an incremental snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// The tables of an incremental snapshot, in the order they are read.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tables: Vec<String>,
+    /// An incremental snapshot's progress (`None`: nothing read yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<Cursor>,
+    /// When the captured state is complete, in ms since the epoch: the
+    /// slot's consistent point (initial) or the last chunk (incremental).
+    /// From then on every change is in the log too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistent_ts_ms: Option<i64>,
     /// The slot's consistent point (unknown in a `started` marker, which is
     /// written before the slot exists).
     pub consistent_point: Option<String>,
@@ -45,6 +97,28 @@ pub struct Marker {
     #[serde(default)]
     pub chunks: BTreeMap<String, usize>,
     pub ts_ms: i64,
+}
+
+impl Marker {
+    /// The record key: the slot for the initial snapshot,
+    /// `<slot>/incremental/<id>` for an incremental one.
+    pub fn key(&self) -> String {
+        match (&self.kind, &self.id) {
+            (Kind::Incremental, Some(id)) => incremental_key(&self.slot, id),
+            _ => self.slot.clone(),
+        }
+    }
+
+    /// When the captured state is complete ([`Marker::consistent_ts_ms`],
+    /// or the marker's own time for markers written before that field).
+    pub fn since_ms(&self) -> i64 {
+        self.consistent_ts_ms.unwrap_or(self.ts_ms)
+    }
+}
+
+/// The record key of an incremental snapshot's markers.
+pub fn incremental_key(slot: &str, id: &str) -> String {
+    format!("{slot}/incremental/{id}")
 }
 
 pub fn topic(config: &Config) -> String {
@@ -64,8 +138,9 @@ pub async fn write(
     marker: &Marker,
 ) -> Result<(), String> {
     let payload = serde_json::to_vec(marker).map_err(|e| e.to_string())?;
+    let key = marker.key();
     let f = producer
-        .send(&topic(config), Some(marker.slot.as_bytes()), Some(&payload))
+        .send(&topic(config), Some(key.as_bytes()), Some(&payload))
         .await
         .map_err(|e| e.to_string())?;
     match f.await {
@@ -85,6 +160,23 @@ pub async fn latest(
         .await?
         .map(|v| serde_json::from_slice::<Marker>(&v).map_err(|e| format!("{topic}: {e}")))
         .transpose()
+}
+
+/// Every marker of the topic (all slots, all kinds), oldest first.
+/// Records that are not markers are skipped with a warning.
+pub async fn all(kafka: &KafkaConfig, topic: &str) -> Result<Vec<Marker>, String> {
+    Ok(sink::read_state_topic(kafka, topic)
+        .await?
+        .into_iter()
+        .filter_map(|(_, v)| {
+            let v = v?;
+            serde_json::from_slice::<Marker>(&v)
+                .inspect_err(
+                    |e| tracing::warn!(%topic, error = %e, "not a snapshot marker; skipped"),
+                )
+                .ok()
+        })
+        .collect())
 }
 
 /// End offsets of every partition of `topics`.

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use apache_avro::types::Value;
 
-use crate::support::{self, ConfigFile, ConnectorProcess, Decoder, TestDb};
+use crate::support::{
+    self, confirmed_reached, insert_lsn, ConfigFile, ConnectorProcess, Decoder, TestDb,
+};
 
 /// A record field, with unions unwrapped.
 fn get<'a>(v: &'a Value, name: &str) -> &'a Value {
@@ -844,30 +846,6 @@ async fn a_truncate_during_the_snapshot_neither_deadlocks_nor_loses_the_truncate
     assert!(!records.is_empty());
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
-}
-
-/// The WAL insert position: unlike `pg_current_wal_lsn()` (the write
-/// position), it includes a commit that `synchronous_commit=off` has not
-/// written yet.
-async fn insert_lsn(client: &tokio_postgres::Client) -> String {
-    client
-        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
-        .await
-        .expect("lsn")
-        .get(0)
-}
-
-/// Whether the slot's confirmed LSN reached `target`.
-async fn confirmed_reached(client: &tokio_postgres::Client, slot: &str, target: &str) -> bool {
-    client
-        .query_one(
-            // NULL while the slot is still being created.
-            "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1",
-            &[&slot, &target],
-        )
-        .await
-        .expect("slot")
-        .get(0)
 }
 
 /// Peak resident memory of a process, in KiB.

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::support::{self, ConfigFile, ConnectorProcess, Stack, TestDb};
 
-const READ_MODELS: &str = r#"
+pub(crate) const READ_MODELS: &str = r#"
 [read_models.order_summary]
 table = "read_models.order_summary"
 key = ["order_id"]
@@ -63,7 +63,7 @@ const CHECKS: &[(&str, &str, &str)] = &[
     ),
 ];
 
-async fn checksum(client: &tokio_postgres::Client, sql: &str) -> (i64, String) {
+pub(crate) async fn checksum(client: &tokio_postgres::Client, sql: &str) -> (i64, String) {
     let row = client
         .query_one(
             &format!(
@@ -78,7 +78,7 @@ async fn checksum(client: &tokio_postgres::Client, sql: &str) -> (i64, String) {
 }
 
 /// Differences between source and target; empty when converged.
-async fn differences(
+pub(crate) async fn differences(
     source: &tokio_postgres::Client,
     target: &tokio_postgres::Client,
 ) -> Vec<String> {
@@ -92,7 +92,10 @@ async fn differences(
     out
 }
 
-async fn wait_converged(source: &tokio_postgres::Client, target: &tokio_postgres::Client) {
+pub(crate) async fn wait_converged(
+    source: &tokio_postgres::Client,
+    target: &tokio_postgres::Client,
+) {
     // Generous: in debug builds, beside the other tests, on two cores.
     let deadline = std::time::Instant::now() + Duration::from_secs(600);
     loop {
@@ -120,16 +123,16 @@ async fn wait_converged(source: &tokio_postgres::Client, target: &tokio_postgres
 }
 
 /// A small deterministic generator, so a failure can be replayed.
-struct Rng(u64);
+pub(crate) struct Rng(u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
 }
@@ -138,7 +141,7 @@ impl Rng {
 /// order inserts, updates and deletes, orders moving between customers,
 /// customer renames and tier changes, new customers, and one truncate of
 /// the orders halfway.
-async fn workload(client: &tokio_postgres::Client, changes: usize, seed: u64) {
+pub(crate) async fn workload(client: &tokio_postgres::Client, changes: usize, seed: u64) {
     let mut rng = Rng(seed);
     // New ids above every existing one, so workloads can follow each other.
     let row = client
@@ -201,7 +204,7 @@ async fn workload(client: &tokio_postgres::Client, changes: usize, seed: u64) {
     }
 }
 
-fn pipeline(stack: &Stack, source: &TestDb, target: &TestDb) -> String {
+pub(crate) fn pipeline(stack: &Stack, source: &TestDb, target: &TestDb) -> String {
     format!(
         "{}\n[target]\nurl = \"{}\"\nbatch_size = 200\n{READ_MODELS}",
         support::pipeline_toml(
@@ -215,7 +218,7 @@ fn pipeline(stack: &Stack, source: &TestDb, target: &TestDb) -> String {
 }
 
 /// A `pgcdc materialize` process, killed when dropped.
-fn materializer(
+pub(crate) fn materializer(
     config: &ConfigFile,
     extra: &[&str],
     env: &[(&str, &str)],
@@ -229,7 +232,7 @@ fn materializer(
         .expect("spawn pgcdc materialize")
 }
 
-async fn terminate(mut child: tokio::process::Child) -> Option<i32> {
+pub(crate) async fn terminate(mut child: tokio::process::Child) -> Option<i32> {
     if let Some(pid) = child.id() {
         let _ = std::process::Command::new("kill")
             .args(["-TERM", &pid.to_string()])
@@ -243,7 +246,7 @@ async fn terminate(mut child: tokio::process::Child) -> Option<i32> {
 }
 
 /// A counter from a Prometheus text page (0 when absent).
-async fn counter(addr: &str, name: &str) -> f64 {
+pub(crate) async fn counter(addr: &str, name: &str) -> f64 {
     let Ok(r) = reqwest::get(format!("http://{addr}/metrics")).await else {
         return 0.0;
     };
@@ -279,7 +282,7 @@ async fn mirrors_and_read_models_converge_and_a_replay_applies_nothing_twice() {
 }
 
 /// Seeds the demo schema with `customers` customers and `orders` orders.
-async fn seed(client: &tokio_postgres::Client, customers: i64, orders: i64) {
+pub(crate) async fn seed(client: &tokio_postgres::Client, customers: i64, orders: i64) {
     support::apply_sql_file(client, "sql/demo/schema.sql").await;
     client
         .batch_execute(&format!(
@@ -293,7 +296,7 @@ async fn seed(client: &tokio_postgres::Client, customers: i64, orders: i64) {
 
 /// A source database seeded with the demo schema (see [`seed`]), an empty
 /// target database, and a client of each.
-async fn databases(
+pub(crate) async fn databases(
     stack: &Stack,
     prefix: &str,
     customers: i64,
@@ -313,7 +316,11 @@ async fn databases(
 }
 
 /// Runs the workload on its own connection in the background.
-fn background_workload(url: &str, changes: usize, seed: u64) -> tokio::task::JoinHandle<()> {
+pub(crate) fn background_workload(
+    url: &str,
+    changes: usize,
+    seed: u64,
+) -> tokio::task::JoinHandle<()> {
     let url = url.to_string();
     tokio::spawn(async move {
         let client = support::connect(&url).await;
@@ -418,7 +425,7 @@ async fn change_events(stack: &Stack, source_db: &TestDb) -> usize {
 }
 
 /// The sum of a topic's partition end offsets.
-async fn end_offsets(stack: &Stack, topic: &str) -> i64 {
+pub(crate) async fn end_offsets(stack: &Stack, topic: &str) -> i64 {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let (brokers, topic) = (stack.brokers.clone(), topic.to_string());
     tokio::task::spawn_blocking(move || {
@@ -445,7 +452,7 @@ async fn end_offsets(stack: &Stack, topic: &str) -> i64 {
 }
 
 /// Every sample of a labelled metric: `(labels, value)`.
-async fn samples(addr: &str, name: &str) -> Vec<(String, f64)> {
+pub(crate) async fn samples(addr: &str, name: &str) -> Vec<(String, f64)> {
     let Ok(r) = reqwest::get(format!("http://{addr}/metrics")).await else {
         return Vec::new();
     };

@@ -609,7 +609,7 @@ fn parse_bytea(text: &str) -> Option<Vec<u8>> {
 }
 
 /// Days from 1970-01-01 of a proleptic Gregorian date (astronomical years).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+pub(crate) fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
     let yoe = y - era * 400;

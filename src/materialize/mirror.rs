@@ -77,10 +77,7 @@ impl Mirror {
     }
 
     /// Creates the mirror if missing and adds columns a newer schema has.
-    pub async fn ensure(
-        &self,
-        client: &tokio_postgres::Client,
-    ) -> Result<(), tokio_postgres::Error> {
+    pub async fn ensure(&self, client: &impl GenericClient) -> Result<(), tokio_postgres::Error> {
         let cols: Vec<String> = self
             .columns
             .iter()

@@ -43,6 +43,7 @@
 pub mod bloom;
 pub mod fast_tier;
 pub mod mirror;
+pub mod rebuild;
 pub mod recent;
 pub mod shape;
 pub mod view;
@@ -58,7 +59,7 @@ use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::Value as Json;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use crate::config::Config;
 use crate::encode::{decode_datum, unframe};
@@ -214,7 +215,7 @@ impl State {
     /// values are written from this change on.
     async fn evolve(
         &mut self,
-        db: &Client,
+        db: &impl GenericClient,
         topic: &str,
         w: &Writer,
     ) -> Result<(), MaterializeError> {
@@ -420,6 +421,52 @@ async fn mirror_for(
         .map_err(MaterializeError::Schema)
 }
 
+/// The target made ready: state schema, mirrors and read-model tables.
+struct Prepared {
+    registry: RegistryClient,
+    /// Topic → mirror.
+    mirrors: HashMap<String, Mirror>,
+    views: Vec<View>,
+}
+
+/// Creates what the target needs (idempotent): the state schema, the
+/// mirror of every captured table (from its subjects' latest schemas),
+/// every declared read model's table, and indexes on view key columns.
+async fn prepare(config: &Config, db: &Client) -> Result<Prepared, MaterializeError> {
+    let target = config
+        .target
+        .as_ref()
+        .ok_or_else(|| MaterializeError::Config("target: is required".into()))?;
+    db.batch_execute(mirror::STATE_SQL).await?;
+    db.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {}",
+        crate::source::slot::quote_ident(&target.mirror_schema)
+    ))
+    .await?;
+    let registry = RegistryClient::new(&config.registry)?;
+    let mut mirrors = HashMap::new();
+    let names = mirror::mirror_names(&config.source.tables);
+    for (table, name) in config.source.tables.iter().zip(&names) {
+        let m = mirror_for(&registry, config, table, &target.mirror_schema, name).await?;
+        m.ensure(db).await?;
+        mirrors.insert(config.topic_for(table), m);
+    }
+    let mut views = Vec::new();
+    for (name, rm) in &config.read_models {
+        views.push(
+            View::prepare(db, name, rm)
+                .await
+                .map_err(MaterializeError::Config)?,
+        );
+    }
+    index_view_columns(db, &mirrors, &views).await?;
+    Ok(Prepared {
+        registry,
+        mirrors,
+        views,
+    })
+}
+
 /// Runs until SIGINT/SIGTERM or an infrastructure error.
 pub async fn run(config: Config) -> Result<(), MaterializeError> {
     // First of all, so a stop request during start-up ends cleanly.
@@ -431,34 +478,16 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         .clone()
         .ok_or_else(|| MaterializeError::Config("target: is required".into()))?;
     let mut db = crate::source::connect(&target.url).await?;
-    db.batch_execute(mirror::STATE_SQL).await?;
-    db.batch_execute(&format!(
-        "CREATE SCHEMA IF NOT EXISTS {}",
-        crate::source::slot::quote_ident(&target.mirror_schema)
-    ))
-    .await?;
-    let registry = RegistryClient::new(&config.registry)?;
-    let mut mirrors = HashMap::new();
-    let names = mirror::mirror_names(&config.source.tables);
-    for (table, name) in config.source.tables.iter().zip(&names) {
-        let m = mirror_for(&registry, &config, table, &target.mirror_schema, name).await?;
-        m.ensure(&db).await?;
-        mirrors.insert(config.topic_for(table), m);
-    }
-    let mut views = Vec::new();
-    for (name, rm) in &config.read_models {
-        views.push(
-            View::prepare(&db, name, rm)
-                .await
-                .map_err(MaterializeError::Config)?,
-        );
-    }
-    index_view_columns(&db, &mirrors, &views).await?;
+    let Prepared {
+        registry,
+        mirrors,
+        views,
+    } = prepare(&config, &db).await?;
     let dlq = dlq_topic(&config);
     sink::ensure_topics(&config.kafka, std::slice::from_ref(&dlq)).await?;
     let producer = sink::Producer::create(&config.kafka, None).await?;
     let dead_letters = DeadLetters {
-        producer: &producer,
+        producer: Some(&producer),
         topic: &dlq,
         sent: Default::default(),
     };
@@ -498,6 +527,8 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     };
     let committed = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
     let lag = tokio::spawn(report_lag(config.clone(), committed.clone()));
+    let reach = (config.retention.check_interval_secs > 0 && !config.read_models.is_empty())
+        .then(|| tokio::spawn(check_reach(config.clone())));
     // At start too: an instance restarted more often than the sweep
     // interval still sweeps.
     sweep(&db, target.redelivery_window_hours).await?;
@@ -589,8 +620,28 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         }
     }
     lag.abort();
+    if let Some(r) = reach {
+        r.abort();
+    }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Every `retention.check_interval_secs`: every read model's rebuild reach
+/// and the slot's WAL as metrics, with a warning for each requirement not
+/// met (see [`crate::retention`]).
+async fn check_reach(config: Arc<Config>) {
+    let every = Duration::from_secs(config.retention.check_interval_secs);
+    loop {
+        match crate::retention::gather(&config, None, None).await {
+            Ok(report) => report.export(),
+            Err(e) => {
+                metrics::counter!(observe::RETENTION_CHECK_ERRORS).increment(1);
+                tracing::warn!(error = %e, "rebuild reach check failed; trying again later");
+            }
+        }
+        tokio::time::sleep(every).await;
+    }
 }
 
 /// Every 5 s: consumer lag per partition, the high watermark minus the
@@ -782,12 +833,14 @@ fn is_data_error(e: &tokio_postgres::Error) -> Option<&'static str> {
     }
 }
 
-async fn apply_batch(
+/// Decodes a batch: its changes, and the records that cannot be decoded
+/// (with why). Columns a newer writer schema has are added to the mirror
+/// first. An unreachable registry is an error, not a record's fault.
+async fn decode_batch(
     state: &mut State,
-    db: &mut Client,
-    dead_letters: &DeadLetters<'_>,
+    db: &impl GenericClient,
     batch: &[rdkafka::message::OwnedMessage],
-) -> Result<(), MaterializeError> {
+) -> Result<(Vec<(usize, Change)>, Vec<(usize, Failure)>), MaterializeError> {
     let mut dead: Vec<(usize, Failure)> = Vec::new();
     let mut changes: Vec<(usize, Change)> = Vec::new();
     for (i, m) in batch.iter().enumerate() {
@@ -806,6 +859,24 @@ async fn apply_batch(
             Err(f) => dead.push((i, f)),
         }
     }
+    Ok((changes, dead))
+}
+
+/// What a batch did.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    applied: u64,
+    duplicates: u64,
+    dead_lettered: u64,
+}
+
+async fn apply_batch(
+    state: &mut State,
+    db: &mut Client,
+    dead_letters: &DeadLetters<'_>,
+    batch: &[rdkafka::message::OwnedMessage],
+) -> Result<Tally, MaterializeError> {
+    let (changes, mut dead) = decode_batch(state, &*db, batch).await?;
     let mut keys: Vec<&str> = Vec::new();
     // Inserts of keys the Bloom filter never saw: one guarded statement.
     let mut fresh: HashSet<String> = HashSet::new();
@@ -858,7 +929,11 @@ async fn apply_batch(
     metrics::counter!(observe::MATERIALIZE_APPLIED).increment(done.applied);
     metrics::counter!(observe::MATERIALIZE_DUPLICATES).increment(done.duplicates);
     metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(dead.len() as u64);
-    Ok(())
+    Ok(Tally {
+        applied: done.applied,
+        duplicates: done.duplicates,
+        dead_lettered: dead.len() as u64,
+    })
 }
 
 /// What the fast tier said about a batch's keys before it started.
@@ -961,6 +1036,30 @@ async fn apply_once(
         .isolation_level(tokio_postgres::IsolationLevel::Serializable)
         .start()
         .await?;
+    let done = apply_in(&tx, state, batch, changes, lookups, careful).await?;
+    // Rejected changes are durable in the dead-letter topic before the
+    // batch commits: once it has, a newer change of the same key would
+    // make a redelivered rejected one look like a duplicate. (A retried
+    // attempt may send one twice; the dead-letter workflow deduplicates
+    // by origin offset.)
+    for (i, f) in &done.dead {
+        dead_letters.send(&batch[*i], f).await?;
+    }
+    tx.commit().await?;
+    Ok(done)
+}
+
+/// Applies a batch's changes and recomputes the views they affect, inside
+/// `tx` (which the caller commits). `careful`: a savepoint per change, so
+/// a rejected change is set aside instead of losing the transaction.
+async fn apply_in(
+    tx: &tokio_postgres::Transaction<'_>,
+    state: &mut State,
+    batch: &[rdkafka::message::OwnedMessage],
+    changes: &[(usize, Change)],
+    lookups: &Lookups,
+    careful: bool,
+) -> Result<Done, MaterializeError> {
     let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
     let mut dead: Vec<(usize, Failure)> = Vec::new();
     let mut committed: Vec<(String, mirror::Position)> = Vec::new();
@@ -992,7 +1091,7 @@ async fn apply_once(
         if careful {
             tx.batch_execute("SAVEPOINT change").await?;
         }
-        let sp = &tx;
+        let sp = tx;
         let result: Result<Outcome, tokio_postgres::Error> = async {
             if change.op == "t" {
                 // Every view row that may depend on the table.
@@ -1058,7 +1157,7 @@ async fn apply_once(
         }
     }
     for (v, view) in views.iter().enumerate() {
-        view.recompute(&tx, &affected[v])
+        view.recompute(tx, &affected[v])
             .await
             .map_err(|e| match e {
                 view::ViewError::Db(e) => match is_data_error(&e) {
@@ -1074,15 +1173,6 @@ async fn apply_once(
                 },
             })?;
     }
-    // Rejected changes are durable in the dead-letter topic before the
-    // batch commits: once it has, a newer change of the same key would
-    // make a redelivered rejected one look like a duplicate. (A retried
-    // attempt may send one twice; the dead-letter workflow deduplicates
-    // by origin offset.)
-    for (i, f) in &dead {
-        dead_letters.send(&batch[*i], f).await?;
-    }
-    tx.commit().await?;
     Ok(Done {
         committed,
         dead,
@@ -1093,9 +1183,11 @@ async fn apply_once(
     })
 }
 
-/// The dead-letter topic and the producer that writes to it.
+/// The dead-letter topic and the producer that writes to it (`None` for
+/// a rebuild, which only counts rejections: the materializer that met them
+/// first dead-lettered them).
 struct DeadLetters<'a> {
-    producer: &'a sink::Producer,
+    producer: Option<&'a sink::Producer>,
     topic: &'a str,
     /// Origins sent while the current batch is retried, so that a retry
     /// does not send them again.
@@ -1140,6 +1232,16 @@ impl DeadLetters<'_> {
             .position
             .map(|(c, s)| format!("{c}:{s}"))
             .unwrap_or_default();
+        let Some(producer) = self.producer else {
+            tracing::info!(
+                topic = m.topic(),
+                partition = m.partition(),
+                offset = m.offset(),
+                class = f.class,
+                "change rejected; skipped"
+            );
+            return Ok(());
+        };
         tracing::warn!(topic = m.topic(), partition = m.partition(), offset = m.offset(), class = f.class, error = %f.error, "change dead-lettered");
         let mut headers = OwnedHeaders::new();
         for (key, value) in [
@@ -1158,8 +1260,7 @@ impl DeadLetters<'_> {
                 value: Some(value),
             });
         }
-        let f = self
-            .producer
+        let f = producer
             .send_with_headers(self.topic, m.key(), m.payload(), headers)
             .await?;
         match f.await {

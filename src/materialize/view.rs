@@ -272,6 +272,69 @@ impl View {
         Ok(())
     }
 
+    /// Every key the view can hold given the mirrors now: each
+    /// `key_columns` mapping's column values, and the `affected_keys` of
+    /// every row of each other source's mirror. (`mirrors` by source table.)
+    pub async fn every_key(
+        &self,
+        client: &impl GenericClient,
+        mirrors: &[&Mirror],
+    ) -> Result<BTreeSet<String>, tokio_postgres::Error> {
+        use futures_util::stream::{self, StreamExt, TryStreamExt};
+        let mut out = BTreeSet::new();
+        for (table, mapping) in &self.sources {
+            let Some(m) = mirrors.iter().find(|m| &m.source == table) else {
+                continue;
+            };
+            match mapping {
+                Mapping::Column(col) => {
+                    let rows = client
+                        .query(
+                            &format!(
+                                "SELECT DISTINCT {c}::text FROM {} WHERE {c} IS NOT NULL",
+                                m.qualified,
+                                c = quote_ident(col)
+                            ),
+                            &[],
+                        )
+                        .await?;
+                    out.extend(rows.iter().map(|r| r.get::<_, String>(0)));
+                }
+                Mapping::Query { sql, param } => {
+                    let first = quote_ident(&m.columns[m.key[0]].name);
+                    let keys: Vec<String> = client
+                        .query(&format!("SELECT {first}::text FROM {}", m.qualified), &[])
+                        .await?
+                        .iter()
+                        .map(|r| r.get(0))
+                        .collect();
+                    let stmt = client.prepare(sql).await?;
+                    let found: Vec<Vec<tokio_postgres::Row>> =
+                        stream::iter(keys.iter().filter_map(|k| bind_one(param, k).ok()))
+                            .map(|bound| {
+                                let stmt = &stmt;
+                                async move {
+                                    client
+                                        .query(stmt, &[bound.as_ref() as &(dyn ToSql + Sync)])
+                                        .await
+                                }
+                            })
+                            // Pipelined on the one connection.
+                            .buffer_unordered(64)
+                            .try_collect()
+                            .await?;
+                    out.extend(
+                        found
+                            .iter()
+                            .flatten()
+                            .filter_map(|r| r.get::<_, Option<String>>(0)),
+                    );
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Replaces the view rows of `keys` with what the query returns now.
     pub async fn recompute(
         &self,

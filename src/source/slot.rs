@@ -63,6 +63,81 @@ pub struct SlotStatus {
     pub retained_wal_bytes: Option<i64>,
     /// WAL not yet confirmed (current LSN minus confirmed_flush_lsn).
     pub lag_bytes: Option<i64>,
+    /// The server's `max_slot_wal_keep_size` in bytes; `None` when
+    /// unlimited (-1).
+    pub max_slot_wal_keep_size: Option<i64>,
+}
+
+/// How close a slot is to being invalidated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RiskLevel {
+    /// More than half of `max_slot_wal_keep_size` is left.
+    Ok,
+    /// Less than half is left, or Postgres already keeps WAL beyond the
+    /// slot's reservation (`wal_status = extended`).
+    Warning,
+    /// Less than a tenth is left, or `wal_status = unreserved`: the next
+    /// checkpoint may invalidate the slot.
+    Critical,
+    /// Invalidated: the WAL it needed is gone.
+    Lost,
+    /// `max_slot_wal_keep_size` is unlimited: never invalidated, but the
+    /// WAL it retains is bounded only by the disk.
+    Unbounded,
+}
+
+/// A slot's invalidation risk in plain words.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Risk {
+    pub level: RiskLevel,
+    pub message: String,
+}
+
+impl SlotStatus {
+    /// The slot's risk of invalidation, from `wal_status`, `safe_wal_size`
+    /// and `max_slot_wal_keep_size`.
+    pub fn risk(&self) -> Risk {
+        let retained = self.retained_wal_bytes.unwrap_or(0);
+        let status = self.wal_status.as_deref().unwrap_or("");
+        if status == "lost" {
+            return Risk {
+                level: RiskLevel::Lost,
+                message: format!(
+                    "the slot is invalidated: the WAL it needed was removed. {}",
+                    recovery_hint(&self.slot)
+                ),
+            };
+        }
+        let Some(limit) = self.max_slot_wal_keep_size.filter(|l| *l > 0) else {
+            return Risk {
+                level: RiskLevel::Unbounded,
+                message: format!(
+                    "max_slot_wal_keep_size is unlimited: Postgres never invalidates the slot, but keeps every WAL segment from restart_lsn ({} now) until the connector confirms it; a stopped connector lets it grow until the disk is full",
+                    crate::retention::time::human_bytes(retained)
+                ),
+            };
+        };
+        let safe = self.safe_wal_size.unwrap_or(0);
+        let left = safe as f64 / limit as f64;
+        let level = if status == "unreserved" || left < 0.1 {
+            RiskLevel::Critical
+        } else if status == "extended" || left < 0.5 {
+            RiskLevel::Warning
+        } else {
+            RiskLevel::Ok
+        };
+        Risk {
+            level,
+            message: format!(
+                "the slot will be invalidated after about {} more bytes of WAL ({}% of max_slot_wal_keep_size = {} left; it retains {})",
+                safe.max(0),
+                (left.max(0.0) * 100.0).round() as i64,
+                crate::retention::time::human_bytes(limit),
+                crate::retention::time::human_bytes(retained)
+            ),
+        }
+    }
 }
 
 impl fmt::Display for SlotStatus {
@@ -87,7 +162,9 @@ impl fmt::Display for SlotStatus {
                 .unwrap_or_else(|| "unlimited (max_slot_wal_keep_size = -1)".into())
         )?;
         writeln!(f, "retained_wal_bytes   {}", num(self.retained_wal_bytes))?;
-        write!(f, "lag_bytes            {}", num(self.lag_bytes))
+        writeln!(f, "lag_bytes            {}", num(self.lag_bytes))?;
+        let risk = self.risk();
+        write!(f, "risk                 {:?}: {}", risk.level, risk.message)
     }
 }
 
@@ -102,7 +179,8 @@ pub async fn status(
                     active, active_pid, restart_lsn::text, confirmed_flush_lsn::text,
                     wal_status, safe_wal_size,
                     pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint,
-                    pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint,
+                    pg_size_bytes(current_setting('max_slot_wal_keep_size'))
              FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
@@ -119,6 +197,7 @@ pub async fn status(
         safe_wal_size: r.get(8),
         retained_wal_bytes: r.get(9),
         lag_bytes: r.get(10),
+        max_slot_wal_keep_size: Some(r.get::<_, i64>(11)).filter(|n| *n > 0),
     }))
 }
 
@@ -239,6 +318,63 @@ mod tests {
     fn identifiers_are_quoted_with_embedded_quotes_doubled() {
         assert_eq!(quote_ident("orders"), "\"orders\"");
         assert_eq!(quote_ident("we\"ird"), "\"we\"\"ird\"");
+    }
+
+    fn status(wal_status: &str, safe: Option<i64>, limit: Option<i64>) -> SlotStatus {
+        SlotStatus {
+            slot: "s1".into(),
+            plugin: "pgoutput".into(),
+            database: "db".into(),
+            active: false,
+            active_pid: None,
+            restart_lsn: Some("0/1000000".into()),
+            confirmed_flush_lsn: Some("0/1000000".into()),
+            wal_status: Some(wal_status.into()),
+            safe_wal_size: safe,
+            retained_wal_bytes: Some(1 << 20),
+            lag_bytes: Some(0),
+            max_slot_wal_keep_size: limit,
+        }
+    }
+
+    #[test]
+    fn risk_follows_what_is_left_of_the_limit() {
+        let gib = 1i64 << 30;
+        let r = status("reserved", Some(gib * 9 / 10), Some(gib)).risk();
+        assert_eq!(r.level, RiskLevel::Ok);
+        assert!(
+            r.message.contains(&format!(
+                "invalidated after about {} more bytes",
+                gib * 9 / 10
+            )),
+            "{}",
+            r.message
+        );
+        assert_eq!(
+            status("reserved", Some(gib / 3), Some(gib)).risk().level,
+            RiskLevel::Warning
+        );
+        assert_eq!(
+            status("extended", Some(gib * 9 / 10), Some(gib))
+                .risk()
+                .level,
+            RiskLevel::Warning
+        );
+        assert_eq!(
+            status("reserved", Some(gib / 20), Some(gib)).risk().level,
+            RiskLevel::Critical
+        );
+        assert_eq!(
+            status("unreserved", Some(-5), Some(gib)).risk().level,
+            RiskLevel::Critical
+        );
+        assert_eq!(
+            status("reserved", None, None).risk().level,
+            RiskLevel::Unbounded
+        );
+        let lost = status("lost", None, Some(gib)).risk();
+        assert_eq!(lost.level, RiskLevel::Lost);
+        assert!(lost.message.contains("pgcdc slot drop"));
     }
 
     #[test]

@@ -676,6 +676,44 @@ pub async fn wait_streaming(client: &Client, slot: &str) {
     }
 }
 
+/// The WAL insert position: unlike `pg_current_wal_lsn()` (the write
+/// position), it includes a commit that `synchronous_commit=off` has not
+/// written yet.
+pub async fn insert_lsn(client: &Client) -> String {
+    client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await
+        .expect("lsn")
+        .get(0)
+}
+
+/// Whether the slot's confirmed LSN reached `target`.
+pub async fn confirmed_reached(client: &Client, slot: &str, target: &str) -> bool {
+    client
+        .query_one(
+            // NULL while the slot is still being created.
+            "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot, &target],
+        )
+        .await
+        .expect("slot")
+        .get(0)
+}
+
+/// Waits until the connector confirmed everything written so far: Kafka
+/// then holds every change committed before this call.
+pub async fn wait_caught_up(client: &Client, slot: &str) {
+    let target = insert_lsn(client).await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(180);
+    while !confirmed_reached(client, slot, &target).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slot {slot} did not confirm {target}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
 /// A broker of a test's own (memory storage), killed when dropped.
 pub struct PrivateBroker {
     child: std::process::Child,

@@ -21,6 +21,8 @@
 //!                         standby status updates ◄───────┴─────────────────────────────────────┘
 //! ```
 
+pub mod incremental;
+
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -350,6 +352,11 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         let mut marker = Marker {
             slot: config.source.slot.clone(),
             phase: Phase::Started,
+            kind: snapshot_marker::Kind::Initial,
+            id: None,
+            tables: Vec::new(),
+            cursor: None,
+            consistent_ts_ms: None,
             consistent_point: None,
             start_offsets: Default::default(),
             end_offsets: Default::default(),
@@ -384,6 +391,9 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             RunError::Config("CREATE_REPLICATION_SLOT returned no consistent point".into())
         })?;
         tracing::info!(slot = %config.source.slot, %consistent_point, "slot created");
+        // The snapshot's state is that of this moment: `pgcdc retention`
+        // reports history since then.
+        marker.consistent_ts_ms = Some(now_ms());
         if exactly_once && !snapshot {
             // A new slot: an offset record of an earlier slot of the same
             // name must not make this one skip anything.
@@ -924,6 +934,8 @@ struct Txn {
     table_order: HashMap<u32, u64>,
     /// Kafka already holds this transaction (exactly-once resume).
     skip: bool,
+    /// Incremental snapshot rows were produced in it (at a high watermark).
+    produced: bool,
 }
 
 impl Txn {
@@ -1054,7 +1066,9 @@ async fn stream(
     let mut group_tick = tokio::time::interval(release.interval);
     group_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stall = Stall::new(Duration::from_secs(src.stall_warning_secs));
+    let mut snapshots = incremental::Engine::resume(output.config.clone()).await?;
     loop {
+        snapshots.schedule(output, sql).await?;
         tokio::select! {
             biased;
             _ = &mut shutdown => return release.finish(output, txn.is_some()).await,
@@ -1079,6 +1093,7 @@ async fn stream(
                     }
                 }
             }
+            r = snapshots.read_done(), if snapshots.reading() => r?,
             r = confirmed.changed() => {
                 if r.is_ok() {
                     let lsn = *confirmed.borrow();
@@ -1107,7 +1122,7 @@ async fn stream(
                         });
                     }
                     ReplicationEvent::Commit { end_lsn, .. } => {
-                        if let Some(t) = txn.take().filter(|t| t.seq > 0) {
+                        if let Some(t) = txn.take().filter(|t| t.seq > 0 || t.produced) {
                             let counts: Vec<(String, u64)> = t
                                 .table_order
                                 .iter()
@@ -1116,11 +1131,14 @@ async fn stream(
                                     (format!("{}.{table}", output.config.kafka.topic_prefix), *n)
                                 })
                                 .collect();
-                            let (k, v) = output
-                                .transactions
-                                .end(&t.id(), &counts, t.ts_ms)
-                                .map_err(|source| RunError::Encode { table: transaction_topic(&output.config), lsn: Lsn(t.commit_lsn), source })?;
-                            output.emit_transaction(&k, &v).await?;
+                            // Snapshot rows alone are no transaction of the source's.
+                            if t.seq > 0 {
+                                let (k, v) = output
+                                    .transactions
+                                    .end(&t.id(), &counts, t.ts_ms)
+                                    .map_err(|source| RunError::Encode { table: transaction_topic(&output.config), lsn: Lsn(t.commit_lsn), source })?;
+                                output.emit_transaction(&k, &v).await?;
+                            }
                             release.completed(t.commit_lsn, end_lsn.as_u64());
                         }
                         release.boundary(output, end_lsn.as_u64()).await?;
@@ -1134,7 +1152,20 @@ async fn stream(
                     ReplicationEvent::XLogData { wal_start, data, .. } => {
                         let lsn = Lsn(wal_start.as_u64());
                         let msg = pgoutput::decode(&data).map_err(|source| RunError::Decode { lsn, source })?;
-                        on_message(output, sql, &mut codecs, txn.as_mut(), lsn, msg).await?;
+                        on_message(output, sql, &mut codecs, &mut snapshots, txn.as_mut(), lsn, msg).await?;
+                    }
+                    ReplicationEvent::Message { transactional: true, prefix, content, lsn } => {
+                        // Requests and watermarks of incremental snapshots;
+                        // a skipped transaction is already in Kafka.
+                        if let Some(t) = txn.as_mut().filter(|t| !t.skip) {
+                            if prefix == incremental::SIGNAL_PREFIX {
+                                snapshots.on_signal(output, &content).await?;
+                            } else if prefix == incremental::WATERMARK_PREFIX
+                                && snapshots.on_watermark(output, &content, t.commit_lsn, lsn.as_u64()).await?
+                            {
+                                t.produced = true;
+                            }
+                        }
                     }
                     ReplicationEvent::Message { transactional: false, lsn, .. } => {
                         // Outside a transaction everything before it was seen.
@@ -1142,7 +1173,6 @@ async fn stream(
                             release.boundary(output, lsn.as_u64()).await?;
                         }
                     }
-                    ReplicationEvent::Message { .. } => {}
                     ReplicationEvent::StoppedAt { .. } => return release.finish(output, txn.is_some()).await,
                 }
             }
@@ -1237,6 +1267,7 @@ async fn on_message(
     output: &Output,
     sql: &Client,
     codecs: &mut HashMap<u32, TableCodec>,
+    snapshots: &mut incremental::Engine,
     txn: Option<&mut Txn>,
     lsn: Lsn,
     msg: Message,
@@ -1302,6 +1333,7 @@ async fn on_message(
                 output
                     .emit(codec, Op::Create, None, Some(&inputs(new)), &src)
                     .await?;
+                snapshots.saw(codec, new, txn.xid);
             }
             Message::Update { old, new, .. } => {
                 let new_in = inputs(new);
@@ -1321,6 +1353,7 @@ async fn on_message(
                         output
                             .emit(codec, Op::Create, None, Some(&new_in), &src)
                             .await?;
+                        snapshots.saw(codec, o.values(), txn.xid);
                     }
                     (Some(OldTuple::Full(o)), false) => {
                         let old_in = inputs(o);
@@ -1334,15 +1367,18 @@ async fn on_message(
                             .await?;
                     }
                 }
+                snapshots.saw(codec, new, txn.xid);
             }
             Message::Delete { old, .. } => {
                 let old_in = inputs(old.values());
                 output
                     .emit(codec, Op::Delete, Some(&old_in), None, &src)
                     .await?;
+                snapshots.saw(codec, old.values(), txn.xid);
             }
             Message::Truncate { .. } => {
                 output.emit(codec, Op::Truncate, None, None, &src).await?;
+                snapshots.saw_truncate(&codec.desc.qualified(), txn.xid);
             }
             _ => {}
         }
