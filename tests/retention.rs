@@ -24,9 +24,9 @@ sources = [{ table = "public.orders", key_columns = ["status"] }]
 
 /// `pgcdc retention --json`, parsed.
 async fn report(config: &ConfigFile, extra: &[&str]) -> (Run, Json) {
-    let mut args = vec!["retention", "--config", config.arg(), "--json"];
-    args.extend_from_slice(extra);
-    let run = support::pgcdc(&args).await;
+    let mut rest = vec!["--json"];
+    rest.extend_from_slice(extra);
+    let run = pgcdc_on(config, "retention", &rest).await;
     let json: Json = serde_json::from_str(&run.stdout).unwrap_or_else(|e| {
         panic!(
             "retention --json printed no JSON ({e}): {}",
@@ -82,8 +82,11 @@ fn topic<'a>(report: &'a Json, name: &str) -> &'a Json {
         .unwrap_or_else(|| panic!("no topic {name} in {report}"))
 }
 
-async fn pgcdc_code(args: &[&str]) -> Run {
-    support::pgcdc(args).await
+/// `pgcdc COMMAND --config FILE REST...`.
+async fn pgcdc_on(config: &ConfigFile, command: &str, rest: &[&str]) -> Run {
+    let mut args = vec![command, "--config", config.arg()];
+    args.extend_from_slice(rest);
+    support::pgcdc(&args).await
 }
 
 #[tokio::test]
@@ -170,7 +173,7 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
     assert_eq!(json["slot"]["active"], true);
 
     // Requirements: exit 2 naming the shortfall when the reach is shorter.
-    let short = pgcdc_code(&["retention", "--config", config.arg(), "--require", "30d"]).await;
+    let short = pgcdc_on(&config, "retention", &["--require", "30d"]).await;
     assert_eq!(short.code, 2, "{}", short.all_output());
     assert!(
         short.stderr.contains("order_summary") && short.stderr.contains("short"),
@@ -182,24 +185,17 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
         "{}",
         short.stdout
     );
-    let met = pgcdc_code(&["retention", "--config", config.arg(), "--require", "1s"]).await;
+    let met = pgcdc_on(&config, "retention", &["--require", "1s"]).await;
     assert_eq!(met.code, 0, "{}", met.all_output());
     let lsn = marker.consistent_point.clone().expect("consistent point");
-    let at_lsn = pgcdc_code(&["retention", "--config", config.arg(), "--require", &lsn]).await;
+    let at_lsn = pgcdc_on(&config, "retention", &["--require", &lsn]).await;
     assert_eq!(at_lsn.code, 0, "{}", at_lsn.all_output());
-    let before_lsn = pgcdc_code(&["retention", "--config", config.arg(), "--require", "0/1"]).await;
+    let before_lsn = pgcdc_on(&config, "retention", &["--require", "0/1"]).await;
     assert_eq!(before_lsn.code, 2, "{}", before_lsn.all_output());
     // Without --require the configured requirements apply: 1d is not met.
-    let configured = pgcdc_code(&[
-        "retention",
-        "--config",
-        config.arg(),
-        "--read-model",
-        "customer_stats",
-    ])
-    .await;
+    let configured = pgcdc_on(&config, "retention", &["--read-model", "customer_stats"]).await;
     assert_eq!(configured.code, 0, "{}", configured.all_output());
-    let configured = pgcdc_code(&["retention", "--config", config.arg()]).await;
+    let configured = pgcdc_on(&config, "retention", &[]).await;
     assert_eq!(configured.code, 2, "{}", configured.all_output());
 
     // The same figures as metrics, and a warning for the unmet requirement.
@@ -233,14 +229,7 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
     // A rebuild while the materializer and the workload run: the swap
     // loses nothing and applies nothing twice.
     let work = mat::background_workload(&source_db.url, 1500, 0x0bad_cafe);
-    let rebuilt = pgcdc_code(&[
-        "rebuild",
-        "--config",
-        config.arg(),
-        "--read-model",
-        "customer_stats",
-    ])
-    .await;
+    let rebuilt = pgcdc_on(&config, "rebuild", &["--read-model", "customer_stats"]).await;
     assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
     assert!(
         rebuilt.stdout.contains("read model customer_stats rebuilt"),
@@ -264,14 +253,11 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
         "full_history"
     );
     assert_eq!(json["read_models"].as_array().map(Vec::len), Some(1));
-    let rebuilt = pgcdc_code(&[
+    let rebuilt = pgcdc_on(
+        &later,
         "rebuild",
-        "--config",
-        later.arg(),
-        "--read-model",
-        "order_status",
-        "--json",
-    ])
+        &["--read-model", "order_status", "--json"],
+    )
     .await;
     assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
     let outcome: Json = serde_json::from_str(&rebuilt.stdout).expect("rebuild --json");
@@ -399,14 +385,7 @@ async fn retention_cut_into_the_log_is_a_named_gap_and_a_rebuild_from_a_fresh_sn
     // The customers topic alone is still whole.
     let customers = topic(&json, &format!("{}.public.customers", source_db.name));
     assert_eq!(customers["reach"]["kind"], "full_history");
-    let text = pgcdc_code(&[
-        "retention",
-        "--config",
-        config.arg(),
-        "--read-model",
-        "order_summary",
-    ])
-    .await;
+    let text = pgcdc_on(&config, "retention", &["--read-model", "order_summary"]).await;
     assert!(text.stdout.contains("NOT REBUILDABLE"), "{}", text.stdout);
     assert!(
         text.stdout
@@ -414,25 +393,11 @@ async fn retention_cut_into_the_log_is_a_named_gap_and_a_rebuild_from_a_fresh_sn
         "{}",
         text.stdout
     );
-    let required = pgcdc_code(&[
-        "retention",
-        "--config",
-        config.arg(),
-        "--require",
-        "current",
-    ])
-    .await;
+    let required = pgcdc_on(&config, "retention", &["--require", "current"]).await;
     assert_eq!(required.code, 2, "{}", required.all_output());
 
     // The rebuild refuses, with the report's reason.
-    let refused = pgcdc_code(&[
-        "rebuild",
-        "--config",
-        config.arg(),
-        "--read-model",
-        "order_summary",
-    ])
-    .await;
+    let refused = pgcdc_on(&config, "rebuild", &["--read-model", "order_summary"]).await;
     assert_eq!(refused.code, 2, "{}", refused.all_output());
     assert!(
         refused
@@ -456,17 +421,18 @@ async fn retention_cut_into_the_log_is_a_named_gap_and_a_rebuild_from_a_fresh_sn
 
     // From a fresh incremental snapshot, while the connector streams.
     mat::workload(&source, 300, 0x8888).await;
-    let rebuilt = pgcdc_code(&[
+    let rebuilt = pgcdc_on(
+        &config,
         "rebuild",
-        "--config",
-        config.arg(),
-        "--read-model",
-        "order_summary",
-        "--from",
-        "snapshot",
-        "--snapshot-timeout-secs",
-        "180",
-    ])
+        &[
+            "--read-model",
+            "order_summary",
+            "--from",
+            "snapshot",
+            "--snapshot-timeout-secs",
+            "180",
+        ],
+    )
     .await;
     assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
     assert!(
@@ -537,37 +503,23 @@ async fn a_compacted_topic_reports_current_state_only_and_rebuilds_to_it() {
         topic(&json, &format!("{}.public.orders", source_db.name))["config"]["cleanup_policy"],
         "compact"
     );
-    let human = pgcdc_code(&["retention", "--config", config.arg()]).await;
+    let human = pgcdc_on(&config, "retention", &[]).await;
     assert!(
         human.stdout.contains("current state only (compacted)"),
         "{}",
         human.stdout
     );
-    let time = pgcdc_code(&["retention", "--config", config.arg(), "--require", "1s"]).await;
+    let time = pgcdc_on(&config, "retention", &["--require", "1s"]).await;
     assert_eq!(
         time.code,
         2,
         "history is required but only state is kept: {}",
         time.all_output()
     );
-    let state = pgcdc_code(&[
-        "retention",
-        "--config",
-        config.arg(),
-        "--require",
-        "current",
-    ])
-    .await;
+    let state = pgcdc_on(&config, "retention", &["--require", "current"]).await;
     assert_eq!(state.code, 0, "{}", state.all_output());
 
-    let rebuilt = pgcdc_code(&[
-        "rebuild",
-        "--config",
-        config.arg(),
-        "--read-model",
-        "order_summary",
-    ])
-    .await;
+    let rebuilt = pgcdc_on(&config, "rebuild", &["--read-model", "order_summary"]).await;
     assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
     assert!(
         rebuilt.stdout.contains("current state"),
@@ -644,7 +596,7 @@ async fn the_slot_section_shows_wal_piling_up_while_the_connector_is_stopped() {
     );
     assert_eq!(a["active"], false);
     assert_eq!(a["risk"]["level"], "warning", "{a}");
-    let human = pgcdc_code(&["retention", "--config", config.arg()]).await;
+    let human = pgcdc_on(&config, "retention", &[]).await;
     let risk = human
         .stdout
         .lines()
@@ -656,7 +608,7 @@ async fn the_slot_section_shows_wal_piling_up_while_the_connector_is_stopped() {
         "{}",
         human.stdout
     );
-    let status = pgcdc_code(&["slot", "status", "--config", config.arg()]).await;
+    let status = support::pgcdc(&["slot", "status", "--config", config.arg()]).await;
     assert!(
         status.stdout.contains("will be invalidated after about"),
         "{}",

@@ -50,9 +50,8 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 use tokio_postgres::Client;
 
-use super::{now_ms, sql_session, Output, RunError};
+use super::{column_list, copy_inputs, now_ms, sql_session, Output, RunError};
 use crate::config::{split_table, Config};
-use crate::encode::types::Input;
 use crate::encode::{Op, Position, SourceInfo, TableCodec, TableDesc};
 use crate::observe;
 use crate::snapshot_marker::{self, Cursor, Kind, Marker, Phase};
@@ -477,19 +476,9 @@ impl Engine {
             // A chunk of an earlier run, or another pipeline's.
             return Ok(false);
         }
-        if let Some(reader) = chunk.reader.take() {
+        if self.reading() {
             // Written after the read finished, so the read is in hand.
-            let fetched = reader
-                .await
-                .map_err(|_| RunError::Snapshot {
-                    table: chunk.table.clone(),
-                    message: "incremental snapshot chunk: the reader stopped".into(),
-                })?
-                .map_err(|message| RunError::Snapshot {
-                    table: chunk.table.clone(),
-                    message: format!("incremental snapshot chunk: {message}"),
-                })?;
-            chunk.fetched = Some(fetched);
+            self.read_done().await?;
         }
         let Some(chunk) = self.chunk.take() else {
             return Ok(false);
@@ -552,15 +541,8 @@ impl Engine {
                 },
                 ..src_base
             };
-            let inputs: Vec<Input<'_>> = row
-                .iter()
-                .map(|f| match f {
-                    None => Input::Null,
-                    Some(v) => Input::Text(v),
-                })
-                .collect();
             output
-                .emit(codec, Op::Read, None, Some(&inputs), &src)
+                .emit(codec, Op::Read, None, Some(&copy_inputs(row)), &src)
                 .await?;
         }
         // What every later read sees needs no watching any more.
@@ -726,12 +708,7 @@ async fn read_chunk(
     } else {
         String::new()
     };
-    let columns = desc
-        .columns
-        .iter()
-        .map(|c| slot::quote_ident(&c.name))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let columns = column_list(&desc);
     client
         .batch_execute(
             "SET standard_conforming_strings = on; BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",

@@ -235,6 +235,26 @@ fn inputs(values: &[Datum]) -> Vec<Input<'_>> {
         .collect()
 }
 
+/// A COPY row's fields as encoder inputs (`None` is SQL NULL).
+fn copy_inputs(fields: &[Option<Vec<u8>>]) -> Vec<Input<'_>> {
+    fields
+        .iter()
+        .map(|f| match f {
+            None => Input::Null,
+            Some(v) => Input::Text(v),
+        })
+        .collect()
+}
+
+/// The table's columns, quoted, for a SELECT or COPY list.
+fn column_list(desc: &TableDesc) -> String {
+    desc.columns
+        .iter()
+        .map(|c| slot::quote_ident(&c.name))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 pub(crate) fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -569,12 +589,7 @@ async fn plan_table(
         .await?
         .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
     drop(current);
-    let columns = desc
-        .columns
-        .iter()
-        .map(|c| slot::quote_ident(&c.name))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let columns = column_list(&desc);
     let estimate: f64 = client
         .query_one(
             "SELECT greatest(reltuples, 0)::float8 FROM pg_class WHERE oid = $1",
@@ -901,13 +916,7 @@ async fn copy_chunk(
         let before = rows;
         while let Some(nl) = buf[start..].iter().position(|&b| b == b'\n') {
             let fields = catalog::copy_fields(&buf[start..start + nl]);
-            let row: Vec<Input<'_>> = fields
-                .iter()
-                .map(|f| match f {
-                    None => Input::Null,
-                    Some(v) => Input::Text(v),
-                })
-                .collect();
+            let row = copy_inputs(&fields);
             output.emit(codec, Op::Read, None, Some(&row), &src).await?;
             rows += 1;
             start += nl + 1;

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use apache_avro::types::Value;
 use serde_json::Value as Json;
 
-use crate::encode::types::{POINT, UNCHANGED, VARIABLE_DECIMAL};
+use crate::encode::types::{civil_from_days, POINT, UNCHANGED, VARIABLE_DECIMAL};
 use crate::tail::format_decimal;
 
 /// A column of a mirror table.
@@ -247,20 +247,6 @@ fn float_text(f: f64, shortest: String) -> String {
     } else {
         shortest
     }
-}
-
-/// Proleptic Gregorian date of a day count from 1970-01-01.
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
 }
 
 /// `YYYY-MM-DD`, and whether the date is BC (Postgres writes year 0 as

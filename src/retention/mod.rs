@@ -220,26 +220,13 @@ pub async fn gather(
         );
         if !exists {
             r.begins_with_complete_snapshot = false;
-            r.reach = Reach {
-                kind: ReachKind::None,
-                since_ms: None,
-                since: None,
-                since_lsn: None,
-                until_ms: None,
-                until: None,
-                summary: format!("{name} does not exist on the broker: nothing is retained"),
-                gaps: vec![reach::Gap {
-                    topic: name.clone(),
-                    partition: None,
-                    missing_from_offset: None,
-                    missing_to_offset: None,
-                    missing_from_ms: None,
-                    missing_from: None,
-                    missing_to_ms: None,
-                    missing_to: None,
-                    reason: format!("{name} does not exist on the broker"),
-                }],
-            };
+            r.reach = Reach::none(
+                format!("{name} does not exist on the broker: nothing is retained"),
+                vec![reach::Gap::named(
+                    name,
+                    format!("{name} does not exist on the broker"),
+                )],
+            );
         }
         topics.push(TopicReport {
             topic: name.clone(),

@@ -146,6 +146,23 @@ pub struct Gap {
     pub reason: String,
 }
 
+impl Gap {
+    /// A gap known only by its reason (no offsets or times to name).
+    pub fn named(topic: &str, reason: String) -> Gap {
+        Gap {
+            topic: topic.to_string(),
+            partition: None,
+            missing_from_offset: None,
+            missing_to_offset: None,
+            missing_from_ms: None,
+            missing_from: None,
+            missing_to_ms: None,
+            missing_to: None,
+            reason,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Reach {
     pub kind: ReachKind,
@@ -161,6 +178,22 @@ pub struct Reach {
     /// Why, in one sentence.
     pub summary: String,
     pub gaps: Vec<Gap>,
+}
+
+impl Reach {
+    /// Not rebuildable without a new snapshot, because of `gaps`.
+    pub fn none(summary: String, gaps: Vec<Gap>) -> Reach {
+        Reach {
+            kind: ReachKind::None,
+            since_ms: None,
+            since: None,
+            since_lsn: None,
+            until_ms: None,
+            until: None,
+            summary,
+            gaps,
+        }
+    }
 }
 
 /// What one topic can rebuild, and why.
@@ -273,19 +306,12 @@ pub fn topic_reach(
         .map(|m| SnapshotRef::of(m, topic));
     let mut gaps = Vec::new();
     match &newest {
-        None => gaps.push(Gap {
-            topic: topic.to_string(),
-            partition: None,
-            missing_from_offset: None,
-            missing_to_offset: None,
-            missing_from_ms: None,
-            missing_from: None,
-            missing_to_ms: None,
-            missing_to: None,
-            reason: format!(
+        None => gaps.push(Gap::named(
+            topic,
+            format!(
                 "no completed snapshot of {table} is recorded in {markers_topic}: the log may lack rows that existed before streaming began"
             ),
-        }),
+        )),
         Some(s) => {
             for p in partitions {
                 let start = s.start(p.partition);
@@ -333,16 +359,7 @@ pub fn topic_reach(
     TopicReach {
         begins_with_complete_snapshot: false,
         snapshot: newest,
-        reach: Reach {
-            kind: ReachKind::None,
-            since_ms: None,
-            since: None,
-            since_lsn: None,
-            until_ms: None,
-            until: None,
-            summary,
-            gaps,
-        },
+        reach: Reach::none(summary, gaps),
     }
 }
 
@@ -356,26 +373,10 @@ fn unfinished(topic: &str, m: &Marker) -> TopicReach {
     TopicReach {
         begins_with_complete_snapshot: false,
         snapshot: None,
-        reach: Reach {
-            kind: ReachKind::None,
-            since_ms: None,
-            since: None,
-            since_lsn: None,
-            until_ms: None,
-            until: None,
-            summary: format!("{topic} cannot be rebuilt without a new snapshot: {reason}"),
-            gaps: vec![Gap {
-                topic: topic.to_string(),
-                partition: None,
-                missing_from_offset: None,
-                missing_to_offset: None,
-                missing_from_ms: None,
-                missing_from: None,
-                missing_to_ms: None,
-                missing_to: None,
-                reason,
-            }],
-        },
+        reach: Reach::none(
+            format!("{topic} cannot be rebuilt without a new snapshot: {reason}"),
+            vec![Gap::named(topic, reason)],
+        ),
     }
 }
 

@@ -6,22 +6,9 @@
 //! millisecond, and parsing never guesses: text that is not exactly one of
 //! the documented forms is refused.
 
-use crate::encode::types::days_from_civil;
+use crate::encode::types::{civil_from_days, days_from_civil};
 
 const MS_PER_DAY: i64 = 86_400_000;
-
-/// `(year, month, day)` of days since 1970-01-01 (proleptic Gregorian).
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
 
 /// Milliseconds since the epoch as `YYYY-MM-DDTHH:MM:SS.mmmZ`.
 pub fn rfc3339(ms: i64) -> String {
