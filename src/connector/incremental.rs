@@ -307,21 +307,22 @@ impl Engine {
     }
 
     /// A signal read from the stream: starts a snapshot (after any running
-    /// one) unless it is for another slot or already known.
+    /// one) unless it is for another slot or already known. Returns
+    /// whether it wrote to Kafka (a marker).
     pub(super) async fn on_signal(
         &mut self,
         output: &Output,
         content: &[u8],
-    ) -> Result<(), RunError> {
+    ) -> Result<bool, RunError> {
         let signal: Signal = match serde_json::from_slice(content) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "an unreadable pgcdc signal was ignored");
-                return Ok(());
+                return Ok(false);
             }
         };
         if signal.slot != self.config.source.slot || !self.known.insert(signal.id.clone()) {
-            return Ok(());
+            return Ok(false);
         }
         if let Some(t) = signal
             .tables
@@ -329,7 +330,7 @@ impl Engine {
             .find(|t| !self.config.source.tables.contains(t))
         {
             tracing::error!(id = %signal.id, table = %t, "incremental snapshot refused: the table is not captured");
-            return Ok(());
+            return Ok(false);
         }
         let topics: Vec<String> = signal
             .tables
@@ -362,7 +363,7 @@ impl Engine {
             .map_err(RunError::Delivery)?;
         tracing::info!(id = %signal.id, tables = ?signal.tables, "incremental snapshot started");
         self.queue.push_back(marker);
-        Ok(())
+        Ok(true)
     }
 
     /// Starts the next chunk's read when a snapshot waits and no chunk is
@@ -458,7 +459,7 @@ impl Engine {
     }
 
     /// A watermark read from the stream, inside the transaction committed
-    /// at `commit_lsn`. Returns whether rows were produced in it.
+    /// at `commit_lsn`. Returns whether it wrote to Kafka (rows, a marker).
     pub(super) async fn on_watermark(
         &mut self,
         output: &Output,
@@ -545,10 +546,11 @@ impl Engine {
                 .emit(codec, Op::Read, None, Some(&copy_inputs(row)), &src)
                 .await?;
         }
-        // What every later read sees needs no watching any more.
+        // A transaction this read saw is seen by every later one: its
+        // changes need no watching any more.
         if let Some(w) = self.watch.as_mut().filter(|w| w.table == table) {
-            w.keys.retain(|_, x| !precedes(*x, seen.xmin));
-            if w.truncate.is_some_and(|x| precedes(x, seen.xmin)) {
+            w.keys.retain(|_, x| !seen.sees(*x));
+            if w.truncate.is_some_and(|x| seen.sees(x)) {
                 w.truncate = None;
             }
         }
@@ -559,7 +561,7 @@ impl Engine {
         let dropped = fetched.rows.len() as u64 - produced;
         let limit = self.config.source.snapshot.incremental_chunk_rows;
         let Some(marker) = self.queue.front_mut() else {
-            return Ok(produced > 0);
+            return Ok(true);
         };
         *marker.rows.entry(table.clone()).or_default() += produced;
         *marker.chunks.entry(table.clone()).or_default() += 1;
@@ -586,7 +588,7 @@ impl Engine {
             }
             None => self.complete(output, commit_lsn).await?,
         }
-        Ok(produced > 0)
+        Ok(true)
     }
 
     /// Records the running snapshot as completed and moves to the next.

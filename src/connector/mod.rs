@@ -943,7 +943,8 @@ struct Txn {
     table_order: HashMap<u32, u64>,
     /// Kafka already holds this transaction (exactly-once resume).
     skip: bool,
-    /// Incremental snapshot rows were produced in it (at a high watermark).
+    /// Incremental snapshot rows or markers were produced in it: in
+    /// exactly-once mode they commit with it.
     produced: bool,
 }
 
@@ -1167,13 +1168,14 @@ async fn stream(
                         // Requests and watermarks of incremental snapshots;
                         // a skipped transaction is already in Kafka.
                         if let Some(t) = txn.as_mut().filter(|t| !t.skip) {
-                            if prefix == incremental::SIGNAL_PREFIX {
-                                snapshots.on_signal(output, &content).await?;
-                            } else if prefix == incremental::WATERMARK_PREFIX
-                                && snapshots.on_watermark(output, &content, t.commit_lsn, lsn.as_u64()).await?
-                            {
-                                t.produced = true;
-                            }
+                            let wrote = match prefix.as_str() {
+                                incremental::SIGNAL_PREFIX => snapshots.on_signal(output, &content).await?,
+                                incremental::WATERMARK_PREFIX => {
+                                    snapshots.on_watermark(output, &content, t.commit_lsn, lsn.as_u64()).await?
+                                }
+                                _ => false,
+                            };
+                            t.produced |= wrote;
                         }
                     }
                     ReplicationEvent::Message { transactional: false, lsn, .. } => {

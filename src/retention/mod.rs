@@ -195,7 +195,16 @@ pub async fn gather(
             .filter(|m| m.phase == snapshot_marker::Phase::Completed)
         {
             if let Some(parts) = m.start_offsets.get(name) {
-                for (p, o) in parts {
+                // Only offsets the log still holds a record at (asking for
+                // others would wait for a record that never comes).
+                let held = |p: i32, o: i64| {
+                    ranges.get(name).is_some_and(|rs| {
+                        rs.iter().any(|r| {
+                            r.partition == p && r.earliest_offset <= o && o < r.latest_offset
+                        })
+                    })
+                };
+                for (p, o) in parts.iter().filter(|(p, o)| held(**p, **o)) {
                     wanted.push((name.clone(), *p, *o));
                 }
             }
