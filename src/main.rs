@@ -11,7 +11,10 @@ fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                // Postgres NOTICEs ("already exists, skipping") are noise.
+                .unwrap_or_else(|_| {
+                    tracing_subscriber::EnvFilter::new("info,tokio_postgres::connection=warn")
+                }),
         )
         .with_writer(std::io::stderr)
         .init();
