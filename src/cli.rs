@@ -72,7 +72,8 @@ pub enum Command {
     /// the log cannot give a complete rebuild, unless --from snapshot.
     Rebuild(RebuildArgs),
     /// Take an incremental snapshot of captured tables while `pgcdc run`
-    /// streams: the connector reads them in chunks between watermarks, so
+    /// streams: the connector reads them in key-ordered chunks and drops
+    /// from each the keys that changes its read could not see touched, so
     /// a snapshot row never overwrites a newer change. Waits until it
     /// completed unless --no-wait.
     Snapshot(SnapshotArgs),
@@ -160,6 +161,7 @@ pub struct RebuildArgs {
     /// The read model to rebuild.
     #[arg(long)]
     pub read_model: String,
+    /// Where the rebuild reads from.
     #[arg(long, value_enum, default_value_t = RebuildFrom::Earliest)]
     pub from: RebuildFrom,
     /// Print what the rebuild did as JSON.

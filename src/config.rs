@@ -730,6 +730,21 @@ impl Config {
         v.errors
     }
 
+    /// A declared read model by name (`--read-model NAME`), or an error
+    /// listing the declared ones.
+    pub fn read_model(&self, name: &str) -> Result<(&String, &ReadModelConfig), String> {
+        self.read_models.get_key_value(name).ok_or_else(|| {
+            format!(
+                "--read-model {name}: not one of read_models ({})",
+                self.read_models
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+    }
+
     /// The changelog topic of a captured table.
     pub fn topic_for(&self, table: &str) -> String {
         format!("{}.{}", self.kafka.topic_prefix, table)

@@ -292,6 +292,42 @@ pub async fn ensure_state_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), 
     ensure_topics(&kafka, &[topic.to_string()]).await
 }
 
+/// Topic → partition → `(low, high)` watermarks, for the topics that
+/// exist (a topic the broker does not know is absent).
+pub async fn watermarks(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> Result<std::collections::BTreeMap<String, std::collections::BTreeMap<i32, (i64, i64)>>, String>
+{
+    let (kafka, topics) = (kafka.clone(), topics.to_vec());
+    tokio::task::spawn_blocking(move || {
+        let consumer: BaseConsumer = client_config(&kafka).create().map_err(|e| e.to_string())?;
+        let mut out = std::collections::BTreeMap::new();
+        for topic in &topics {
+            let md = consumer
+                .fetch_metadata(Some(topic), Duration::from_secs(15))
+                .map_err(|e| format!("{topic}: {e}"))?;
+            for t in md
+                .topics()
+                .iter()
+                .filter(|t| t.error().is_none() && !t.partitions().is_empty())
+            {
+                let mut parts = std::collections::BTreeMap::new();
+                for p in t.partitions() {
+                    let marks = consumer
+                        .fetch_watermarks(topic, p.id(), Duration::from_secs(15))
+                        .map_err(|e| format!("{topic}/{}: {e}", p.id()))?;
+                    parts.insert(p.id(), marks);
+                }
+                out.insert(topic.clone(), parts);
+            }
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
 /// The value of the latest record with `key` in partition 0 of a
 /// single-partition compacted topic (see [`read_state_topic`]).
 pub async fn latest_by_key(
@@ -322,10 +358,20 @@ pub async fn read_state_topic(
             .set("isolation.level", "read_committed")
             .create()
             .map_err(|e| e.to_string())?;
+        let mut records = Vec::new();
+        // A topic not created yet holds nothing; any other failure is one.
+        let exists = consumer
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .map_err(|e| format!("{topic}: {e}"))?
+            .topics()
+            .iter()
+            .any(|t| t.error().is_none() && !t.partitions().is_empty());
+        if !exists {
+            return Ok(records);
+        }
         let (low, high) = consumer
             .fetch_watermarks(&topic, 0, Duration::from_secs(10))
             .map_err(|e| format!("{topic}: {e}"))?;
-        let mut records = Vec::new();
         if high <= low {
             return Ok(records);
         }

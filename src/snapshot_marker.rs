@@ -18,11 +18,8 @@
 //!   every table was read. Reading a changelog topic from a completed
 //!   snapshot's start offsets gives every row of the snapshotted tables.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
-
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 use crate::config::{Config, KafkaConfig};
 use crate::sink;
@@ -32,6 +29,8 @@ use crate::sink;
 pub enum Phase {
     Started,
     Completed,
+    /// An incremental snapshot that was given up, with [`Marker::error`].
+    Failed,
 }
 
 /// Which kind of snapshot a marker describes.
@@ -84,6 +83,9 @@ pub struct Marker {
     /// From then on every change is in the log too.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub consistent_ts_ms: Option<i64>,
+    /// Why an incremental snapshot failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
     /// The slot's consistent point (unknown in a `started` marker, which is
     /// written before the slot exists).
     pub consistent_point: Option<String>,
@@ -184,30 +186,14 @@ pub async fn end_offsets(
     kafka: &KafkaConfig,
     topics: &[String],
 ) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
-    let (kafka, topics) = (kafka.clone(), topics.to_vec());
-    tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = sink::client_config(&kafka)
-            .set("group.id", "pgcdc-snapshot-markers")
-            .create()
-            .map_err(|e| e.to_string())?;
-        let mut out = BTreeMap::new();
-        for topic in &topics {
-            let md = consumer
-                .fetch_metadata(Some(topic), Duration::from_secs(10))
-                .map_err(|e| format!("{topic}: {e}"))?;
-            let mut parts = BTreeMap::new();
-            for t in md.topics() {
-                for p in t.partitions() {
-                    let (_, high) = consumer
-                        .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
-                        .map_err(|e| format!("{topic}/{}: {e}", p.id()))?;
-                    parts.insert(p.id(), high);
-                }
-            }
-            out.insert(topic.clone(), parts);
-        }
-        Ok(out)
-    })
-    .await
-    .map_err(|e| e.to_string())?
+    Ok(sink::watermarks(kafka, topics)
+        .await?
+        .into_iter()
+        .map(|(t, parts)| {
+            (
+                t,
+                parts.into_iter().map(|(p, (_, high))| (p, high)).collect(),
+            )
+        })
+        .collect())
 }

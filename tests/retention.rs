@@ -228,8 +228,45 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
     );
     // A rebuild while the materializer and the workload run: the swap
     // loses nothing and applies nothing twice.
-    let work = mat::background_workload(&source_db.url, 1500, 0x0bad_cafe);
+    // Writers keep going until the rebuild has returned, so its catch-up
+    // and its swap both run in the middle of changes.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let work = {
+        let (url, stop) = (source_db.url.clone(), stop.clone());
+        tokio::spawn(async move {
+            let client = support::connect(&url).await;
+            // A few hundred changes a second (what a debug build beside
+            // the other tests replays faster than they arrive): new orders,
+            // customer renames, orders paid.
+            let mut i = 0i64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                client
+                    .batch_execute(&format!(
+                        "BEGIN;
+                         INSERT INTO public.orders (id, customer_id, amount, status)
+                         SELECT {id}, c.id, 10.50, 'new' FROM public.customers c ORDER BY c.id OFFSET {off} LIMIT 1;
+                         UPDATE public.customers SET name = 'renamed {i}' WHERE id = (SELECT id FROM public.customers ORDER BY id OFFSET {off2} LIMIT 1);
+                         UPDATE public.orders SET status = 'paid', amount = amount + 1 WHERE id = {prev};
+                         COMMIT;",
+                        id = 5_000_000 + i,
+                        prev = 5_000_000 + i - 1,
+                        off = i % 50,
+                        off2 = (i * 7) % 50,
+                    ))
+                    .await
+                    .expect("writer");
+                i += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+    let orders = format!("{}.public.orders", source_db.name);
+    let busy = mat::end_offsets(&stack, &orders).await;
+    while mat::end_offsets(&stack, &orders).await < busy + 100 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let rebuilt = pgcdc_on(&config, "rebuild", &["--read-model", "customer_stats"]).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
     assert!(
         rebuilt.stdout.contains("read model customer_stats rebuilt"),

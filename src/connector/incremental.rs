@@ -27,13 +27,18 @@
 //!   high watermark's transaction, so the slot is confirmed past it only
 //!   once Kafka acknowledged them; a chunk's cursor (and the completion)
 //!   is recorded only after Kafka acknowledged its rows.
-//! - **Resumable.** Markers in `<prefix>.snapshots` (keyed
+//! - **Exact start offsets.** The start offsets are read once Kafka
+//!   acknowledged everything produced before the request, so reading a
+//!   topic from them yields every change after the request and none
+//!   before it; with the chunk rows, every row the table had when the
+//!   snapshot completed.
+//! - **Resumable, never looping.** Markers in `<prefix>.snapshots` (keyed
 //!   `<slot>/incremental/<id>`) record the start offsets before any row,
 //!   the cursor after each chunk, and completion. A restarted connector
 //!   resumes after the last recorded chunk; watermarks of chunks read
-//!   before the restart no longer match and are ignored. Reading a topic
-//!   from a completed snapshot's start offsets yields every row the table
-//!   had when the snapshot completed.
+//!   before the restart no longer match and are ignored. A chunk that
+//!   cannot be read is tried a few times, then the snapshot is recorded
+//!   as `failed` with the reason and streaming goes on.
 //!
 //! ```text
 //!  pgcdc snapshot ──► signal (WAL message) ──► connector: marker(started, start offsets), watch the table's keys
@@ -62,6 +67,8 @@ use crate::source::{catalog, slot};
 pub const SIGNAL_PREFIX: &str = "pgcdc.signal";
 /// The prefix of chunk watermarks.
 pub const WATERMARK_PREFIX: &str = "pgcdc.watermark";
+/// Reads of one chunk before the snapshot is given up.
+const MAX_ATTEMPTS: u32 = 4;
 
 /// A request, as written to the WAL by [`signal`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -126,7 +133,7 @@ pub async fn check_tables(sql: &Client, config: &Config, tables: &[String]) -> R
             .await
             .map_err(|e| crate::source::error_text(&e))?
             .ok_or_else(|| format!("--table {t}: the table does not exist"))?;
-        let keys = catalog::key_columns(sql, oid)
+        let keys = catalog::unique_key_columns(sql, oid)
             .await
             .map_err(|e| crate::source::error_text(&e))?;
         if keys.is_empty() {
@@ -176,18 +183,34 @@ pub async fn wait(
     let topic = snapshot_marker::topic(config);
     let deadline = timeout.map(|t| std::time::Instant::now() + t);
     let mut last: Option<Marker> = None;
+    let mut failures = 0;
     loop {
-        let latest = snapshot_marker::all(&config.kafka, &topic)
-            .await
-            .unwrap_or_default()
-            .into_iter()
-            .rfind(|m| m.key() == key);
+        let latest = match snapshot_marker::all(&config.kafka, &topic).await {
+            Ok(all) => {
+                failures = 0;
+                all.into_iter().rfind(|m| m.key() == key)
+            }
+            // A passing broker hiccup is retried; a broker that stays away
+            // is an error, not a snapshot that "never started".
+            Err(e) if failures >= 10 => return Err(format!("{topic}: {e}")),
+            Err(_) => {
+                failures += 1;
+                None
+            }
+        };
         if let Some(m) = latest {
             if last.as_ref() != Some(&m) {
                 progress(&m);
             }
-            if m.phase == Phase::Completed {
-                return Ok(m);
+            match m.phase {
+                Phase::Completed => return Ok(m),
+                Phase::Failed => {
+                    return Err(format!(
+                        "incremental snapshot {id} failed: {}",
+                        m.error.as_deref().unwrap_or("(no reason recorded)")
+                    ))
+                }
+                Phase::Started => {}
             }
             last = Some(m);
         }
@@ -203,6 +226,16 @@ pub async fn wait(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// The indexes of a table's key columns, in the Kafka key's order.
+fn key_indices(desc: &TableDesc) -> Vec<usize> {
+    desc.columns
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.key)
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// What a chunk read.
@@ -238,6 +271,8 @@ pub(super) struct Engine {
     /// Ids already started (their replayed signals are ignored).
     known: HashSet<String>,
     next_token: u64,
+    /// Reads of the current chunk that failed in a row.
+    attempts: u32,
 }
 
 impl Engine {
@@ -272,6 +307,7 @@ impl Engine {
             watch: None,
             known,
             next_token: 0,
+            attempts: 0,
         })
     }
 
@@ -280,8 +316,10 @@ impl Engine {
         self.chunk.as_ref().is_some_and(|c| c.reader.is_some())
     }
 
-    /// Resolves when the chunk's read arrives (only call while [`Engine::reading`]).
-    pub(super) async fn read_done(&mut self) -> Result<(), RunError> {
+    /// Resolves when the chunk's read arrives (only call while
+    /// [`Engine::reading`]). A failed read is retried a few times, then
+    /// the snapshot is recorded as failed; streaming goes on either way.
+    pub(super) async fn read_done(&mut self, output: &Output) -> Result<(), RunError> {
         let Some(chunk) = self.chunk.as_mut() else {
             return std::future::pending().await;
         };
@@ -290,20 +328,44 @@ impl Engine {
         };
         let result = reader.await;
         chunk.reader = None;
-        match result {
+        let message = match result {
             Ok(Ok(f)) => {
                 chunk.fetched = Some(f);
-                Ok(())
+                self.attempts = 0;
+                return Ok(());
             }
-            Ok(Err(message)) => Err(RunError::Snapshot {
-                table: chunk.table.clone(),
-                message: format!("incremental snapshot chunk: {message}"),
-            }),
-            Err(_) => Err(RunError::Snapshot {
-                table: chunk.table.clone(),
-                message: "incremental snapshot chunk: the reader stopped".into(),
-            }),
+            Ok(Err(message)) => message,
+            Err(_) => "the reader stopped".to_string(),
+        };
+        let table = chunk.table.clone();
+        // Its high watermark may still come: it no longer matches.
+        self.chunk = None;
+        self.attempts += 1;
+        if self.attempts < MAX_ATTEMPTS {
+            tracing::warn!(%table, attempt = self.attempts, error = %message, "incremental snapshot chunk failed; reading it again");
+            tokio::time::sleep(Duration::from_millis(500 << self.attempts.min(4))).await;
+            return Ok(());
         }
+        self.fail(output, format!("{table}: {message}")).await
+    }
+
+    /// Gives the running snapshot up: a `failed` marker with the reason
+    /// (so `pgcdc snapshot` and `pgcdc rebuild` stop waiting), and the next
+    /// one starts.
+    async fn fail(&mut self, output: &Output, reason: String) -> Result<(), RunError> {
+        self.chunk = None;
+        self.watch = None;
+        self.attempts = 0;
+        let Some(mut marker) = self.queue.pop_front() else {
+            return Ok(());
+        };
+        tracing::error!(id = marker.id.as_deref().unwrap_or(""), %reason, "incremental snapshot failed");
+        marker.phase = Phase::Failed;
+        marker.error = Some(reason);
+        marker.ts_ms = now_ms();
+        snapshot_marker::write(&output.producer, &self.config, &marker)
+            .await
+            .map_err(RunError::Delivery)
     }
 
     /// A signal read from the stream: starts a snapshot (after any running
@@ -324,22 +386,17 @@ impl Engine {
         if signal.slot != self.config.source.slot || !self.known.insert(signal.id.clone()) {
             return Ok(false);
         }
-        if let Some(t) = signal
-            .tables
-            .iter()
-            .find(|t| !self.config.source.tables.contains(t))
-        {
-            tracing::error!(id = %signal.id, table = %t, "incremental snapshot refused: the table is not captured");
-            return Ok(false);
-        }
+
         let topics: Vec<String> = signal
             .tables
             .iter()
             .map(|t| self.config.topic_for(t))
             .collect();
-        // Offsets now, while the signal's transaction is read: everything
-        // the snapshot produces comes later (events still in flight land
-        // after these offsets too, so reading from here misses nothing).
+        // The log splits exactly here: every event before the signal is
+        // acknowledged first, so none lands after these offsets (a reader
+        // starting at them would otherwise see an old insert whose later
+        // truncate, on another partition, it never reads).
+        output.producer.flush().await?;
         let start_offsets = snapshot_marker::end_offsets(&self.config.kafka, &topics)
             .await
             .map_err(RunError::Delivery)?;
@@ -351,6 +408,7 @@ impl Engine {
             tables: signal.tables.clone(),
             cursor: None,
             consistent_ts_ms: None,
+            error: None,
             consistent_point: None,
             start_offsets,
             end_offsets: Default::default(),
@@ -375,6 +433,25 @@ impl Engine {
         let Some(marker) = self.queue.front() else {
             return Ok(());
         };
+        // Checked at its turn, so that a request resumed after a restart
+        // meets the config as it is now.
+        let uncaptured: Vec<String> = marker
+            .tables
+            .iter()
+            .filter(|t| !self.config.source.tables.contains(t))
+            .cloned()
+            .collect();
+        if !uncaptured.is_empty() {
+            return self
+                .fail(
+                    output,
+                    format!(
+                        "not captured (not in source.tables): {}",
+                        uncaptured.join(", ")
+                    ),
+                )
+                .await;
+        }
         let (table, after) = match &marker.cursor {
             Some(c) => (c.table.clone(), c.after.clone()),
             None => match marker.tables.first() {
@@ -384,22 +461,40 @@ impl Engine {
         };
         let (schema, name) =
             split_table(&table).ok_or_else(|| RunError::Config(format!("bad table {table}")))?;
-        let (_, desc) =
-            catalog::describe(sql, schema, name)
-                .await?
-                .ok_or_else(|| RunError::Snapshot {
-                    table: table.clone(),
-                    message: "the table no longer exists".into(),
-                })?;
+        let Some((oid, desc)) = catalog::describe(sql, schema, name).await? else {
+            return self.fail(output, format!("{table} no longer exists")).await;
+        };
+        if catalog::unique_key_columns(sql, oid).await?.is_empty() {
+            return self
+                .fail(
+                    output,
+                    format!(
+                        "{table} has no primary key or replica identity index to read it in order"
+                    ),
+                )
+                .await;
+        }
         if self.codecs.get(&table).is_none_or(|c| c.desc != desc) {
-            let codec = output.codec(desc.clone()).await?;
-            self.codecs.insert(table.clone(), codec);
+            match output.codec(desc.clone()).await {
+                Ok(codec) => {
+                    self.codecs.insert(table.clone(), codec);
+                }
+                Err(e) => return self.fail(output, format!("{table}: {e}")).await,
+            }
         }
         self.next_token += 1;
+        // Unique across restarts too (a pid repeats in a container): a
+        // watermark left by an earlier run must never match.
+        let started_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
         let token = format!(
-            "{}:{}:{}",
-            marker.id.as_deref().unwrap_or(""),
-            std::process::id(),
+            "{}:{started_ns}:{}",
+            self.queue
+                .front()
+                .and_then(|m| m.id.as_deref())
+                .unwrap_or(""),
             self.next_token
         );
         // The table's turn begins: watch its keys from here, and let the
@@ -479,7 +574,7 @@ impl Engine {
         }
         if self.reading() {
             // Written after the read finished, so the read is in hand.
-            self.read_done().await?;
+            self.read_done(output).await?;
         }
         let Some(chunk) = self.chunk.take() else {
             return Ok(false);
@@ -494,14 +589,7 @@ impl Engine {
             table: table.clone(),
             message: "no codec for the chunk".into(),
         })?;
-        let key_at: Vec<usize> = fetched
-            .desc
-            .columns
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.key)
-            .map(|(i, _)| i)
-            .collect();
+        let key_at = key_indices(&fetched.desc);
         let src_base = SourceInfo {
             connector_name: &self.config.name,
             db: &output.db,
@@ -593,6 +681,7 @@ impl Engine {
 
     /// Records the running snapshot as completed and moves to the next.
     async fn complete(&mut self, output: &Output, commit_lsn: u64) -> Result<(), RunError> {
+        self.watch = None;
         let Some(mut marker) = self.queue.pop_front() else {
             return Ok(());
         };
@@ -637,30 +726,31 @@ async fn read_chunk(
         slot::quote_ident(&desc.table)
     );
     if first {
-        let running: Vec<String> = client
-            .query_one(
-                "SELECT array(SELECT pg_snapshot_xip(pg_current_snapshot()))::text[]",
-                &[],
-            )
+        // Every transaction running now has an id below a fresh one, N:
+        // wait until the oldest running transaction is newer than N. That
+        // is visibility (the proc array), not the commit log, so a commit
+        // waiting for a synchronous standby still counts as running.
+        let n: String = client
+            .query_one("SELECT pg_current_xact_id()::text", &[])
             .await
             .map_err(pg)?
             .get(0);
         let mut logged = std::time::Instant::now();
         loop {
-            let left: i64 = client
+            let done: bool = client
                 .query_one(
-                    "SELECT count(*) FROM unnest($1::text[]) x WHERE pg_xact_status(x::xid8) = 'in progress'",
-                    &[&running],
+                    "SELECT pg_snapshot_xmin(pg_current_snapshot()) > $1::text::xid8",
+                    &[&n],
                 )
                 .await
                 .map_err(pg)?
                 .get(0);
-            if left == 0 {
+            if done {
                 break;
             }
             if logged.elapsed() > Duration::from_secs(30) {
                 logged = std::time::Instant::now();
-                tracing::info!(table = %desc.qualified(), transactions = left, "incremental snapshot waits for transactions that were running when it reached this table");
+                tracing::info!(table = %desc.qualified(), "incremental snapshot waits for the transactions that were running when it reached this table");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -769,13 +859,7 @@ async fn read_chunk(
         )
         .await
         .map_err(pg)?;
-    let key_at: Vec<usize> = desc
-        .columns
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| c.key)
-        .map(|(i, _)| i)
-        .collect();
+    let key_at = key_indices(&desc);
     let last_key = rows.last().map(|row: &Vec<Option<Vec<u8>>>| {
         key_at
             .iter()

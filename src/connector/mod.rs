@@ -377,6 +377,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             tables: Vec::new(),
             cursor: None,
             consistent_ts_ms: None,
+            error: None,
             consistent_point: None,
             start_offsets: Default::default(),
             end_offsets: Default::default(),
@@ -414,6 +415,16 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         // The snapshot's state is that of this moment: `pgcdc retention`
         // reports history since then.
         marker.consistent_ts_ms = Some(now_ms());
+        if !snapshot {
+            // No snapshot, but still a new slot: the history in Kafka
+            // breaks here (what changed before it was never captured), and
+            // `pgcdc retention` must know.
+            marker.phase = Phase::Completed;
+            marker.consistent_point = Some(consistent_point.to_string());
+            snapshot_marker::write(&output.producer, &config, &marker)
+                .await
+                .map_err(RunError::Delivery)?;
+        }
         if exactly_once && !snapshot {
             // A new slot: an offset record of an earlier slot of the same
             // name must not make this one skip anything.
@@ -1103,7 +1114,7 @@ async fn stream(
                     }
                 }
             }
-            r = snapshots.read_done(), if snapshots.reading() => r?,
+            r = snapshots.read_done(output), if snapshots.reading() => r?,
             r = confirmed.changed() => {
                 if r.is_ok() {
                     let lsn = *confirmed.borrow();

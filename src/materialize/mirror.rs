@@ -44,6 +44,10 @@ pub struct Mirror {
     pub columns: Vec<Column>,
     /// Indexes into `columns` of the key, in key order.
     pub key: Vec<usize>,
+    /// Written by this process alone (a rebuild's shadow): the key locks
+    /// that serialize racing instances are not needed, and a long
+    /// transaction would pile them up.
+    pub private: bool,
 }
 
 impl Mirror {
@@ -73,6 +77,7 @@ impl Mirror {
             table: table.to_string(),
             columns,
             key,
+            private: false,
         })
     }
 
@@ -253,9 +258,14 @@ async fn stored_position(
     // reads the transaction's snapshot whatever the order; the lock only
     // makes a racing instance wait instead of failing serialization.
     let sql = statements.text(format!("stored {}", mirror.qualified), || {
+        let lock = if mirror.private {
+            "SELECT 1"
+        } else {
+            "SELECT pg_advisory_xact_lock(hashtextextended($1 || '|' || $2, 0))"
+        };
         format!(
             "SELECT p.lsn, p.seq
-             FROM (SELECT pg_advisory_xact_lock(hashtextextended($1 || '|' || $2, 0))) l,
+             FROM ({lock}) l,
              LATERAL (
                SELECT _pgcdc_commit_lsn AS lsn, _pgcdc_seq AS seq FROM {m} WHERE {w}
                UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = $2
@@ -427,11 +437,13 @@ pub async fn truncate(
     mirror: &Mirror,
     position: Position,
 ) -> Result<Outcome, tokio_postgres::Error> {
-    tx.query_one(
-        "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
-        &[&mirror.qualified],
-    )
-    .await?;
+    if !mirror.private {
+        tx.query_one(
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            &[&mirror.qualified],
+        )
+        .await?;
+    }
     let stored = tx
         .query_opt(
             "SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1",

@@ -13,20 +13,26 @@
 //!   watermarks) into shadow mirrors (schema `pgcdc_rebuild`), so
 //!   duplicates, reordered partitions and snapshot rows resolve exactly as
 //!   they do live.
-//! - **An atomic swap.** One transaction locks (ACCESS EXCLUSIVE) the live
-//!   mirrors of the read model's sources and every read model over them,
-//!   reads the topics' end offsets under those locks and applies the rest
-//!   into the shadows, replaces the live mirrors' rows, tombstones and
-//!   truncate watermarks with the shadows', and recomputes every read
-//!   model over those mirrors in full. Readers see the old state until the
-//!   commit and the rebuilt one after it. A running materializer waits on
-//!   the locks; everything it redelivers afterwards up to those end
-//!   offsets is a duplicate the position guard skips, so no change is lost
-//!   or applied twice.
+//! - **An atomic swap.** After catching up until little is left, one
+//!   transaction locks (EXCLUSIVE: writers wait, readers do not) the live
+//!   mirrors of the read model's sources, every read model over them and
+//!   every other source of those read models, reads the topics' end
+//!   offsets under those locks and applies the rest into the shadows,
+//!   replaces the live mirrors' rows, tombstones and truncate watermarks
+//!   with the shadows' (DELETE and INSERT: MVCC-safe, so a reader's
+//!   snapshot never sees them empty), and recomputes every read model over
+//!   those mirrors in full. Readers see the old state until the commit and
+//!   the rebuilt one after it. A running materializer waits on the locks;
+//!   everything it redelivers afterwards up to those end offsets is a
+//!   duplicate the position guard skips, so no change is lost or applied
+//!   twice.
+//! - **Nothing skipped.** The replay never jumps over records: an offset
+//!   that retention deleted before the rebuild read it is an error, and
+//!   nothing is swapped.
 //!
 //! ```text
 //!  report/snapshot ─► start offsets ─► consume ─► decode ─► guard ─► shadow mirrors   (batches)
-//!  BEGIN ─ LOCK live mirrors + read models ─ end offsets ─► rest into shadows
+//!  catch up ─► BEGIN ─ LOCK mirrors + read models ─ end offsets ─► rest into shadows
 //!        ─ live mirrors := shadows ─ recompute read models in full ─ COMMIT
 //! ```
 
@@ -38,7 +44,7 @@ use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::message::OwnedMessage;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
-use tokio_postgres::Client;
+use tokio_postgres::{Client, GenericClient};
 
 use super::mirror::{Mirror, Statements};
 use super::view::View;
@@ -61,6 +67,11 @@ const LOCK_KEY: i64 = 0x7067_6364_7265_6275;
 const RECOMPUTE_KEYS: usize = 10_000;
 /// How long the log may deliver nothing before the rebuild gives up.
 const STALL_LIMIT: Duration = Duration::from_secs(60);
+/// How long the swap tries to take its locks before giving up.
+const LOCK_WAIT: Duration = Duration::from_secs(120);
+/// Catch-up passes before the swap (each reads to the end offsets of its
+/// start), so that the swap's locked tail is short under a steady load.
+const CATCH_UP_ROUNDS: usize = 5;
 
 /// Where the rebuild reads from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -121,6 +132,8 @@ pub struct Outcome {
     pub history_note: Option<String>,
     pub partitions: Vec<PartitionRead>,
     pub records_read: u64,
+    /// Of those, read inside the swap transaction, under its locks.
+    pub records_read_under_lock: u64,
     pub applied: u64,
     pub duplicates: u64,
     /// Changes the target rejected (the materializer dead-letters them;
@@ -155,8 +168,12 @@ impl Outcome {
         }
         let _ = writeln!(
             out,
-            "  changes      {} records read, {} applied, {} duplicates skipped, {} rejected",
-            self.records_read, self.applied, self.duplicates, self.rejected
+            "  changes      {} records read ({} under the swap's locks), {} applied, {} duplicates skipped, {} rejected",
+            self.records_read,
+            self.records_read_under_lock,
+            self.applied,
+            self.duplicates,
+            self.rejected
         );
         let list = |m: &BTreeMap<String, i64>| {
             m.iter()
@@ -183,9 +200,11 @@ impl Outcome {
 }
 
 /// Counts over the whole rebuild.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Totals {
     read: u64,
+    /// Read inside the swap transaction, under its locks.
+    under_lock: u64,
     applied: u64,
     duplicates: u64,
     rejected: u64,
@@ -200,17 +219,7 @@ pub async fn run(
     snapshot_timeout: Option<Duration>,
 ) -> Result<Outcome, RebuildError> {
     let started = Instant::now();
-    let rm = config.read_models.get(name).ok_or_else(|| {
-        RebuildError::Refused(format!(
-            "--read-model {name}: not one of read_models ({})",
-            config
-                .read_models
-                .keys()
-                .cloned()
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))
-    })?;
+    let (_, rm) = config.read_model(name).map_err(RebuildError::Refused)?;
     let target = config
         .target
         .as_ref()
@@ -322,33 +331,57 @@ pub async fn run(
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("isolation.level", "read_committed")
+        // An offset retention deleted before we read it is an error, never
+        // a silent jump to what remains.
+        .set("auto.offset.reset", "error")
         .create()?;
-    let (firsts, ends) = watermarks(config, &topics, &from).await?;
+    let marks = watermarks(config, &topics, &from).await?;
+    let firsts = marks.start.clone();
     let mut positions = firsts.clone();
     assign(&consumer, &positions)?;
     let mut totals = Totals::default();
     let batch_size = target.batch_size;
-    let mut last_log = Instant::now();
-    while let Some(batch) = next_batch(&consumer, &mut positions, &ends, batch_size).await? {
-        totals.read += batch.len() as u64;
-        let t = apply_batch(&mut state, &mut db, &dead_letters, &batch).await?;
-        totals.applied += t.applied;
-        totals.duplicates += t.duplicates;
-        totals.rejected += t.dead_lettered;
-        if last_log.elapsed() > Duration::from_secs(5) {
-            let left: i64 = ends
-                .iter()
-                .map(|(k, e)| e - positions.get(k).copied().unwrap_or(*e))
-                .sum();
-            tracing::info!(read_model = %name, read = totals.read, left, "rebuild progress");
-            last_log = Instant::now();
+    // Catch up until little is left, so the swap holds its locks briefly.
+    let mut ends = marks.end;
+    for _ in 0..CATCH_UP_ROUNDS {
+        let mut last_log = Instant::now();
+        while let Some(batch) = next_batch(&consumer, &mut positions, &ends, batch_size).await? {
+            totals.read += batch.len() as u64;
+            let t = apply_batch(&mut state, &mut db, &dead_letters, &batch).await?;
+            totals.applied += t.applied;
+            totals.duplicates += t.duplicates;
+            totals.rejected += t.dead_lettered;
+            if last_log.elapsed() > Duration::from_secs(5) {
+                let left: i64 = ends
+                    .iter()
+                    .map(|(k, e)| e - positions.get(k).copied().unwrap_or(*e))
+                    .sum();
+                tracing::info!(read_model = %name, read = totals.read, left, "rebuild progress");
+                last_log = Instant::now();
+            }
         }
+        let now = watermarks(config, &topics, &BTreeMap::new()).await?;
+        let left: i64 = now
+            .end
+            .iter()
+            .map(|(k, e)| e - positions.get(k).copied().unwrap_or(0))
+            .sum();
+        for (k, low) in &now.start {
+            positions.entry(k.clone()).or_insert(*low);
+        }
+        ends = now.end;
+        if left <= batch_size as i64 {
+            break;
+        }
+        assign(&consumer, &positions)?;
     }
 
     let mut attempt = 0;
     let (to, mirrors, read_models) = loop {
         attempt += 1;
-        let before = positions.clone();
+        // What a failed attempt did inside its transaction is rolled back:
+        // so is what it changed in memory.
+        let before = (positions.clone(), state.mirrors.clone(), totals.clone());
         match swap(
             &mut db,
             &mut state,
@@ -366,13 +399,17 @@ pub async fn run(
             Ok(done) => break done,
             Err(MaterializeError::Postgres(e)) if super::is_retryable(&e) && attempt < 5 => {
                 tracing::warn!(attempt, error = %source::error_text(&e), "the swap conflicted with another transaction; trying again");
-                positions = before;
+                (positions, state.mirrors, totals) = before;
+                state.statements = Statements::default();
                 assign(&consumer, &positions)?;
             }
             Err(e) => return Err(e.into()),
         }
     };
-    drop_shadows(&db, &state.mirrors).await?;
+    // The rebuild took effect; leftovers are replaced by the next one.
+    if let Err(e) = drop_shadows(&db, &state.mirrors).await {
+        tracing::warn!(error = %e, "the rebuild took effect, but its shadow tables were not dropped");
+    }
     let _ = db
         .execute("SELECT pg_advisory_unlock($1)", &[&LOCK_KEY])
         .await;
@@ -400,6 +437,7 @@ pub async fn run(
         history_note,
         partitions,
         records_read: totals.read,
+        records_read_under_lock: totals.under_lock,
         applied: totals.applied,
         duplicates: totals.duplicates,
         rejected: totals.rejected,
@@ -429,6 +467,7 @@ async fn create_shadows(
             .ok_or_else(|| RebuildError::Failed(format!("no mirror for {topic}")))?;
         let shadow = Mirror {
             qualified: format!("{}.{}", quote_ident(SHADOW_SCHEMA), quote_ident(&m.table)),
+            private: true,
             ..m.clone()
         };
         db.batch_execute(&format!(
@@ -437,13 +476,7 @@ async fn create_shadows(
             l = m.qualified
         ))
         .await?;
-        for t in ["tombstones", "truncations"] {
-            db.execute(
-                &format!("DELETE FROM pgcdc_state.{t} WHERE mirror = $1"),
-                &[&shadow.qualified],
-            )
-            .await?;
-        }
+        forget_state(db, &shadow.qualified).await?;
         shadows.insert(topic.clone(), shadow);
     }
     Ok(shadows)
@@ -453,57 +486,63 @@ async fn drop_shadows(db: &Client, shadows: &HashMap<String, Mirror>) -> Result<
     for s in shadows.values() {
         db.batch_execute(&format!("DROP TABLE IF EXISTS {}", s.qualified))
             .await?;
-        for t in ["tombstones", "truncations"] {
-            db.execute(
-                &format!("DELETE FROM pgcdc_state.{t} WHERE mirror = $1"),
-                &[&s.qualified],
-            )
-            .await?;
-        }
+        forget_state(db, &s.qualified).await?;
     }
     Ok(())
 }
 
+/// Removes a mirror's tombstones and truncate watermark.
+async fn forget_state(db: &impl GenericClient, mirror: &str) -> Result<(), tokio_postgres::Error> {
+    for t in STATE_TABLES {
+        db.execute(
+            &format!("DELETE FROM pgcdc_state.{t} WHERE mirror = $1"),
+            &[&mirror],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// The state tables keyed by mirror.
+const STATE_TABLES: [&str; 2] = ["tombstones", "truncations"];
+
 type Positions = HashMap<(String, i32), i64>;
 
 /// Per partition of `topics`: where to start (from `from`, or the first
-/// retained offset for a partition it does not name) and the high
-/// watermark now. A start below what the log retains is refused.
+/// retained offset for a partition it does not name), the first retained
+/// offset, and the high watermark now. A start below what the log retains
+/// is refused.
+struct Marks {
+    start: Positions,
+    end: Positions,
+}
+
 async fn watermarks(
     config: &Config,
     topics: &[String],
     from: &BTreeMap<String, BTreeMap<i32, i64>>,
-) -> Result<(Positions, Positions), RebuildError> {
-    let (kafka, names, from) = (config.kafka.clone(), topics.to_vec(), from.clone());
-    tokio::task::spawn_blocking(move || {
-        let consumer: rdkafka::consumer::BaseConsumer = sink::client_config(&kafka).create()?;
-        let (mut firsts, mut ends) = (Positions::new(), Positions::new());
-        for topic in &names {
-            let md = consumer.fetch_metadata(Some(topic), Duration::from_secs(15))?;
-            for t in md.topics().iter().filter(|t| t.error().is_none()) {
-                for p in t.partitions() {
-                    let (low, high) =
-                        consumer.fetch_watermarks(topic, p.id(), Duration::from_secs(15))?;
-                    let start = from
-                        .get(topic)
-                        .and_then(|parts| parts.get(&p.id()))
-                        .copied()
-                        .unwrap_or(low);
-                    if start < low {
-                        return Err(RebuildError::Refused(format!(
-                            "{topic} partition {}: the rebuild must read from offset {start}, but the log now begins at {low} (retention cut in)",
-                            p.id()
-                        )));
-                    }
-                    firsts.insert((topic.clone(), p.id()), start.min(high));
-                    ends.insert((topic.clone(), p.id()), high);
-                }
+) -> Result<Marks, RebuildError> {
+    let all = sink::watermarks(&config.kafka, topics)
+        .await
+        .map_err(|e| RebuildError::Failed(format!("kafka: {e}")))?;
+    let (mut start, mut end) = (Positions::new(), Positions::new());
+    for (topic, parts) in all {
+        for (p, (low, high)) in parts {
+            let first = from
+                .get(&topic)
+                .and_then(|parts| parts.get(&p))
+                .copied()
+                .unwrap_or(low);
+            if first < low {
+                return Err(RebuildError::Refused(format!(
+                    "{topic} partition {p}: the rebuild must read from offset {first}, but the log now begins at {low} (retention cut in)"
+                )));
             }
+            start.insert((topic.clone(), p), first.min(high));
+            end.insert((topic.clone(), p), high);
         }
-        Ok((firsts, ends))
-    })
-    .await
-    .map_err(|e| RebuildError::Failed(e.to_string()))?
+    }
+    Ok(Marks { start, end })
 }
 
 fn assign(consumer: &StreamConsumer, positions: &Positions) -> Result<(), RebuildError> {
@@ -536,7 +575,15 @@ async fn next_batch(
     while batch.len() < max && !done(positions) {
         match tokio::time::timeout(Duration::from_millis(300), consumer.recv()).await {
             Ok(m) => {
-                let m = m?;
+                let m = m.map_err(|e| match e.rdkafka_error_code() {
+                    Some(
+                        rdkafka::types::RDKafkaErrorCode::AutoOffsetReset
+                        | rdkafka::types::RDKafkaErrorCode::OffsetOutOfRange,
+                    ) => RebuildError::Failed(format!(
+                        "records the rebuild had not read yet were deleted (retention cut in while it ran: {e}); nothing was swapped. Run it again, or with --from snapshot"
+                    )),
+                    _ => RebuildError::from(e),
+                })?;
                 let key = (m.topic().to_string(), m.partition());
                 let Some(&end) = ends.get(&key) else { continue };
                 let at = positions.entry(key).or_insert(0);
@@ -574,6 +621,15 @@ async fn next_batch(
     Ok(Some(batch))
 }
 
+/// 0–63 ms, so that the retries of two waiters do not stay in step.
+fn jitter() -> u8 {
+    (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or_default()
+        % 64) as u8
+}
+
 type Swapped = (Positions, BTreeMap<String, i64>, BTreeMap<String, i64>);
 
 /// The swap transaction (see the module doc). Returns the end offsets read
@@ -595,23 +651,61 @@ async fn swap(
         .iter()
         .filter(|v| v.sources.iter().any(|(t, _)| tables.contains(t)))
         .collect();
-    let mut locked: Vec<String> = topics
-        .iter()
-        .filter_map(|t| live.get(t).map(|m| m.qualified.clone()))
+    // The rebuilt mirrors, the read models over them, and every other
+    // mirror those read models read: writers wait, readers do not.
+    let mut locked: Vec<String> = live
+        .values()
+        .filter(|m| {
+            tables.contains(&m.source)
+                || over
+                    .iter()
+                    .any(|v| v.sources.iter().any(|(t, _)| *t == m.source))
+        })
+        .map(|m| m.qualified.clone())
         .chain(over.iter().map(|v| v.qualified.clone()))
         .collect();
     locked.sort();
-    let mut tx = db.transaction().await?;
-    tx.batch_execute(&format!(
-        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
-        locked.join(", ")
-    ))
-    .await?;
+    locked.dedup();
+    // NOWAIT, retried: waiting for one lock while holding another would
+    // deadlock with a materializer's batch that holds the first and wants
+    // the second. A batch ends within moments, and all are free between.
+    let deadline = Instant::now() + LOCK_WAIT;
+    let mut tx = loop {
+        let tx = db.transaction().await?;
+        match tx
+            .batch_execute(&format!(
+                "LOCK TABLE {} IN EXCLUSIVE MODE NOWAIT",
+                locked.join(", ")
+            ))
+            .await
+        {
+            Ok(()) => break tx,
+            Err(e)
+                if e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE)
+                    && Instant::now() < deadline =>
+            {
+                drop(tx);
+                tokio::time::sleep(Duration::from_millis(20 + u64::from(jitter()))).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
     // Under the locks nothing else writes these tables, so whatever a
     // materializer applied to them lies below the end offsets read now.
-    let (_, ends) = watermarks(config, topics, &BTreeMap::new())
+    let marks = watermarks(config, topics, &BTreeMap::new())
         .await
         .map_err(|e| MaterializeError::Config(e.to_string()))?;
+    for (k, low) in &marks.start {
+        // A partition added meanwhile is read from its beginning.
+        let at = positions.entry(k.clone()).or_insert(*low);
+        if *at < *low {
+            return Err(MaterializeError::Config(format!(
+                "{} partition {}: records from offset {at} to {low} were deleted before the rebuild read them (retention cut in while it ran); nothing was swapped",
+                k.0, k.1
+            )));
+        }
+    }
+    let ends = marks.end;
     assign(consumer, positions).map_err(|e| MaterializeError::Config(e.to_string()))?;
     let no_fast_path = Lookups {
         known: HashMap::new(),
@@ -630,6 +724,7 @@ async fn swap(
             continue;
         }
         totals.read += batch.len() as u64;
+        totals.under_lock += batch.len() as u64;
         let (changes, dead) = decode_batch(state, &tx, &batch).await?;
         totals.rejected += dead.len() as u64;
         let sp = tx.savepoint("pgcdc_rebuild_tail").await?;
@@ -657,39 +752,46 @@ async fn swap(
         let (Some(l), Some(s)) = (live.get(topic), state.mirrors.get(topic)) else {
             continue;
         };
-        // Columns the shadow gained from newer writer schemas.
-        Mirror {
-            columns: s.columns.clone(),
-            ..l.clone()
+        let columns_of = |qualified: String| {
+            let tx = &tx;
+            async move {
+                tx.query(
+                    "SELECT quote_ident(attname) FROM pg_attribute
+                     WHERE attrelid = $1::text::regclass AND attnum > 0 AND NOT attisdropped
+                     ORDER BY attnum",
+                    &[&qualified],
+                )
+                .await
+                .map(|rows| {
+                    rows.iter()
+                        .map(|r| r.get::<_, String>(0))
+                        .collect::<Vec<_>>()
+                })
+            }
+        };
+        let columns = columns_of(s.qualified.clone()).await?;
+        // Columns the shadow gained from newer writer schemas. Only then
+        // ALTER: its ACCESS EXCLUSIVE lock would wait for readers.
+        let present = columns_of(l.qualified.clone()).await?;
+        if columns.iter().any(|c| !present.contains(c)) {
+            Mirror {
+                columns: s.columns.clone(),
+                ..l.clone()
+            }
+            .ensure(&tx)
+            .await?;
         }
-        .ensure(&tx)
-        .await?;
-        let (schema, table) = (SHADOW_SCHEMA, &s.table);
-        let columns: Vec<String> = tx
-            .query(
-                "SELECT quote_ident(a.attname) FROM pg_attribute a
-                 JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-                 WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped
-                 ORDER BY a.attnum",
-                &[&schema, table],
-            )
-            .await?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
         let list = columns.join(", ");
+        // DELETE, not TRUNCATE: a reader's older snapshot keeps seeing
+        // the old rows.
         tx.batch_execute(&format!(
-            "TRUNCATE {live}; INSERT INTO {live} ({list}) SELECT {list} FROM {shadow}",
+            "DELETE FROM {live}; INSERT INTO {live} ({list}) SELECT {list} FROM {shadow}",
             live = l.qualified,
             shadow = s.qualified
         ))
         .await?;
-        for t in ["tombstones", "truncations"] {
-            tx.execute(
-                &format!("DELETE FROM pgcdc_state.{t} WHERE mirror = $1"),
-                &[&l.qualified],
-            )
-            .await?;
+        forget_state(&tx, &l.qualified).await?;
+        for t in STATE_TABLES {
             tx.execute(
                 &format!("UPDATE pgcdc_state.{t} SET mirror = $1 WHERE mirror = $2"),
                 &[&l.qualified, &s.qualified],

@@ -122,20 +122,9 @@ fn selected<'a>(
     match only {
         None => Ok(config.read_models.iter().collect()),
         Some(name) => config
-            .read_models
-            .get_key_value(name)
+            .read_model(name)
             .map(|rm| vec![rm])
-            .ok_or_else(|| {
-                RetentionError::Usage(format!(
-                    "--read-model {name}: not one of read_models ({})",
-                    config
-                        .read_models
-                        .keys()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))
-            }),
+            .map_err(RetentionError::Usage),
     }
 }
 
@@ -175,13 +164,11 @@ pub async fn gather(
         topic_configs(&config.kafka, &names)
     )?;
     let markers_topic = snapshot_marker::topic(config);
+    // A marker topic not created yet holds none; an unreadable one is an
+    // error, never "no snapshot".
     let markers: Vec<Marker> = snapshot_marker::all(&config.kafka, &markers_topic)
         .await
-        .unwrap_or_else(|e| {
-            // A missing marker topic means no snapshot was ever recorded.
-            tracing::debug!(error = %e, "snapshot markers unreadable");
-            Vec::new()
-        })
+        .map_err(RetentionError::Kafka)?
         .into_iter()
         .filter(|m| m.slot == config.source.slot)
         .collect();
@@ -346,30 +333,16 @@ async fn partitions(
     kafka: &KafkaConfig,
     topics: &[String],
 ) -> Result<HashMap<String, Vec<PartitionRange>>, RetentionError> {
-    let (k, names) = (kafka.clone(), topics.to_vec());
-    let marks: Vec<(String, i32, i64, i64)> = tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = sink::client_config(&k)
-            .create()
-            .map_err(|e| e.to_string())?;
-        let mut out = Vec::new();
-        for topic in &names {
-            let md = consumer
-                .fetch_metadata(Some(topic), KAFKA_TIMEOUT)
-                .map_err(|e| format!("{topic}: {e}"))?;
-            for t in md.topics().iter().filter(|t| t.error().is_none()) {
-                for p in t.partitions() {
-                    let (low, high) = consumer
-                        .fetch_watermarks(topic, p.id(), KAFKA_TIMEOUT)
-                        .map_err(|e| format!("{topic}/{}: {e}", p.id()))?;
-                    out.push((topic.clone(), p.id(), low, high));
-                }
-            }
-        }
-        Ok::<_, String>(out)
-    })
-    .await
-    .map_err(|e| RetentionError::Kafka(e.to_string()))?
-    .map_err(RetentionError::Kafka)?;
+    let marks: Vec<(String, i32, i64, i64)> = sink::watermarks(kafka, topics)
+        .await
+        .map_err(RetentionError::Kafka)?
+        .into_iter()
+        .flat_map(|(t, parts)| {
+            parts
+                .into_iter()
+                .map(move |(p, (low, high))| (t.clone(), p, low, high))
+        })
+        .collect();
     let earliest = record_timestamps(
         kafka,
         marks

@@ -64,10 +64,12 @@ pub struct TopicConfig {
 }
 
 impl TopicConfig {
+    /// Whether compaction may have dropped history: `cleanup.policy`
+    /// contains `compact`, or the broker did not say (no optimism).
     fn compacts(&self) -> bool {
         self.cleanup_policy
             .as_deref()
-            .is_some_and(|p| p.split(',').any(|x| x.trim() == "compact"))
+            .is_none_or(|p| p.split(',').any(|x| x.trim() == "compact"))
     }
 
     /// Time-based deletion: `retention.ms` applies (policy `delete`, the
@@ -261,13 +263,15 @@ pub fn topic_reach(
                 .map(|ts| ts.saturating_add(ms))
         });
         let (kind, summary) = if config.compacts() {
+            let why = match &config.cleanup_policy {
+                Some(p) => format!("is compacted (cleanup.policy={p})"),
+                None => "did not report its cleanup.policy, so it may be compacted".to_string(),
+            };
             (
                 ReachKind::CurrentState,
                 format!(
-                    "{topic} is compacted (cleanup.policy={}): the latest record of every key since the {} snapshot of {} is kept, not the changes before it",
-                    config.cleanup_policy.as_deref().unwrap_or("?"),
-                    s.kind,
-                    s.since
+                    "{topic} {why}: the latest record of every key since the {} snapshot of {} is kept, not the changes before it",
+                    s.kind, s.since
                 ),
             )
         } else {
@@ -305,14 +309,24 @@ pub fn topic_reach(
         .max_by_key(|m| m.ts_ms)
         .map(|m| SnapshotRef::of(m, topic));
     let mut gaps = Vec::new();
-    match &newest {
-        None => gaps.push(Gap::named(
+    let boundary = covering
+        .get(since)
+        .filter(|m| m.kind == Kind::Initial && !m.start_offsets.contains_key(topic));
+    match (&newest, boundary) {
+        (None, Some(slot)) => gaps.push(Gap::named(
+            topic,
+            format!(
+                "the slot was created {} without a snapshot of {table}: rows that existed before then are not in the log (take one with `pgcdc snapshot`)",
+                rfc3339(slot.since_ms())
+            ),
+        )),
+        (None, None) => gaps.push(Gap::named(
             topic,
             format!(
                 "no completed snapshot of {table} is recorded in {markers_topic}: the log may lack rows that existed before streaming began"
             ),
         )),
-        Some(s) => {
+        (Some(s), _) => {
             for p in partitions {
                 let start = s.start(p.partition);
                 if start < p.earliest_offset {
@@ -575,6 +589,7 @@ mod tests {
             tables: Vec::new(),
             cursor: None,
             consistent_ts_ms: Some(ts),
+            error: None,
             consistent_point: Some(format!("0/{ts:X}")),
             start_offsets: [(T.to_string(), start.iter().copied().collect())].into(),
             end_offsets: Default::default(),
@@ -683,6 +698,47 @@ mod tests {
                 r.reach.gaps[0].missing_from_offset
             ),
             (Some(1), Some(50))
+        );
+    }
+
+    #[test]
+    fn a_slot_created_without_a_snapshot_breaks_the_history() {
+        let mut never = marker(900, &[], Kind::Initial);
+        never.start_offsets.clear();
+        let m = [marker(100, &[(0, 0)], Kind::Initial), never];
+        let r = reach(&parts(&[(0, 90)]), &delete_policy(-1), &m);
+        assert_eq!(
+            r.reach.kind,
+            ReachKind::None,
+            "the old slot's snapshot no longer counts"
+        );
+        assert!(
+            r.reach.gaps[0].reason.contains("without a snapshot"),
+            "{:?}",
+            r.reach.gaps
+        );
+        // An incremental snapshot after it restores the reach.
+        let m = [
+            m[0].clone(),
+            m[1].clone(),
+            marker(950, &[(0, 60)], Kind::Incremental),
+        ];
+        let r = reach(&parts(&[(0, 90)]), &delete_policy(-1), &m);
+        assert_eq!(
+            (r.reach.kind, r.reach.since_ms),
+            (ReachKind::FullHistory, Some(950))
+        );
+    }
+
+    #[test]
+    fn an_unreported_cleanup_policy_is_not_taken_for_full_history() {
+        let m = [marker(100, &[(0, 0)], Kind::Initial)];
+        let r = reach(&parts(&[(0, 9)]), &TopicConfig::default(), &m);
+        assert_eq!(r.reach.kind, ReachKind::CurrentState);
+        assert!(
+            r.reach.summary.contains("did not report"),
+            "{}",
+            r.reach.summary
         );
     }
 

@@ -99,9 +99,13 @@ pub async fn columns(
         .collect())
 }
 
-/// Names of the key columns of a relation (see the module guarantee).
-pub async fn key_columns(client: &Client, oid: u32) -> Result<Vec<String>, tokio_postgres::Error> {
-    let rows = client
+/// Names of the columns of the primary key, or else of the replica
+/// identity index; empty when the table has neither.
+pub async fn unique_key_columns(
+    client: &Client,
+    oid: u32,
+) -> Result<Vec<String>, tokio_postgres::Error> {
+    Ok(client
         .query(
             "WITH idx AS (
                  SELECT i.indkey FROM pg_index i
@@ -112,9 +116,17 @@ pub async fn key_columns(client: &Client, oid: u32) -> Result<Vec<String>, tokio
              ORDER BY array_position(idx.indkey::int2[], a.attnum)",
             &[&oid],
         )
-        .await?;
-    if !rows.is_empty() {
-        return Ok(rows.iter().map(|r| r.get(0)).collect());
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// Names of the key columns of a relation (see the module guarantee).
+pub async fn key_columns(client: &Client, oid: u32) -> Result<Vec<String>, tokio_postgres::Error> {
+    let unique = unique_key_columns(client, oid).await?;
+    if !unique.is_empty() {
+        return Ok(unique);
     }
     let full = client
         .query_opt(
