@@ -341,3 +341,93 @@ async fn an_incremental_snapshot_resumes_after_the_connector_is_killed() {
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }
+
+#[tokio::test]
+async fn a_snapshot_that_cannot_run_is_refused_or_recorded_as_failed_while_streaming_goes_on() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "incr_fail").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.items (id bigint PRIMARY KEY, v bigint NOT NULL, pad text);
+             CREATE TABLE public.other (id int PRIMARY KEY);
+             CREATE TABLE public.nokey (v int);
+             ALTER TABLE public.nokey REPLICA IDENTITY FULL;
+             INSERT INTO public.other SELECT generate_series(1, 10);",
+        )
+        .await
+        .expect("tables");
+    let all = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.items", "public.other", "public.nokey"],
+    ));
+    let connector = ConnectorProcess::start(&all);
+    let parsed = pgcdc::config::Config::load(&all.path).expect("config");
+    support::wait_snapshot_completed(&parsed).await;
+
+    // No unique key to read it in order: refused before anything is asked.
+    let refused =
+        support::pgcdc(&["snapshot", "--config", all.arg(), "--table", "public.nokey"]).await;
+    assert_eq!(refused.code, 1, "{}", refused.all_output());
+    assert!(
+        refused.stderr.contains("public.nokey") && refused.stderr.contains("primary key"),
+        "{}",
+        refused.stderr
+    );
+    assert_eq!(connector.terminate().await, 0);
+
+    // Asked while no connector streams; by the time one does, the table
+    // is no longer captured.
+    let asked = support::pgcdc(&[
+        "snapshot",
+        "--config",
+        all.arg(),
+        "--table",
+        "public.other",
+        "--no-wait",
+    ])
+    .await;
+    assert_eq!(asked.code, 0, "{}", asked.all_output());
+    assert!(
+        asked.stderr.contains("no connector is streaming"),
+        "{}",
+        asked.stderr
+    );
+    let id = asked
+        .stdout
+        .split_whitespace()
+        .nth(2)
+        .expect("id")
+        .to_string();
+    let items_only = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.items"],
+    ));
+    let narrowed = pgcdc::config::Config::load(&items_only.path).expect("config");
+    let connector = ConnectorProcess::start(&items_only);
+    let failed =
+        pgcdc::connector::incremental::wait(&narrowed, &id, Some(Duration::from_secs(120)), |_| {})
+            .await
+            .expect_err("a snapshot of a table no longer captured cannot complete");
+    assert!(
+        failed.contains("failed") && failed.contains("not captured"),
+        "{failed}"
+    );
+    assert_eq!(
+        marker(&narrowed, &id).await.map(|m| m.phase),
+        Some(Phase::Failed)
+    );
+
+    // The connector did not stop for it: changes still stream.
+    client
+        .batch_execute("INSERT INTO public.items VALUES (1, 1, 'after')")
+        .await
+        .expect("insert");
+    support::wait_caught_up(&client, &narrowed.source.slot).await;
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
