@@ -148,6 +148,21 @@ async fn events(stack: &Stack, topic: &str) -> Vec<Event> {
     out
 }
 
+/// `pgcdc snapshot --config FILE --table TABLE EXTRA...`, and the id it
+/// printed.
+async fn request(config: &ConfigFile, table: &str, extra: &[&str]) -> (support::Run, String) {
+    let mut args = vec!["snapshot", "--config", config.arg(), "--table", table];
+    args.extend_from_slice(extra);
+    let run = support::pgcdc(&args).await;
+    let id = run
+        .stdout
+        .split_whitespace()
+        .nth(2)
+        .unwrap_or_default()
+        .to_string();
+    (run, id)
+}
+
 /// The latest marker of incremental snapshot `id`.
 async fn marker(config: &pgcdc::config::Config, id: &str) -> Option<Marker> {
     snapshot_marker::all(&config.kafka, &snapshot_marker::topic(config))
@@ -239,27 +254,12 @@ async fn an_incremental_snapshot_under_concurrent_writes_never_overwrites_a_newe
 
     let stop = Arc::new(AtomicBool::new(false));
     let work = writers(&db.url, stop.clone());
-    let run = support::pgcdc(&[
-        "snapshot",
-        "--config",
-        config.arg(),
-        "--table",
-        "public.items",
-        "--timeout-secs",
-        "240",
-    ])
-    .await;
+    let (run, id) = request(&config, "public.items", &["--timeout-secs", "240"]).await;
     stop.store(true, Ordering::Relaxed);
     let written = work.await.expect("writers");
     assert_eq!(run.code, 0, "{}", run.all_output());
     assert!(run.stdout.contains("completed"), "{}", run.stdout);
     assert!(written > 0);
-    let id = run
-        .stdout
-        .split_whitespace()
-        .nth(2)
-        .expect("the snapshot id")
-        .to_string();
     support::wait_caught_up(&client, &parsed.source.slot).await;
 
     let done = marker(&parsed, &id).await.expect("the snapshot's marker");
@@ -286,22 +286,8 @@ async fn an_incremental_snapshot_resumes_after_the_connector_is_killed() {
     let client = db.client().await;
     let mut connector = ConnectorProcess::start(&config);
     support::wait_snapshot_completed(&parsed).await;
-    let run = support::pgcdc(&[
-        "snapshot",
-        "--config",
-        config.arg(),
-        "--table",
-        "public.items",
-        "--no-wait",
-    ])
-    .await;
+    let (run, id) = request(&config, "public.items", &["--no-wait"]).await;
     assert_eq!(run.code, 0, "{}", run.all_output());
-    let id = run
-        .stdout
-        .split_whitespace()
-        .nth(2)
-        .expect("id")
-        .to_string();
 
     // Killed once a few chunks are recorded, while writers go on.
     let stop = Arc::new(AtomicBool::new(false));
@@ -368,8 +354,7 @@ async fn a_snapshot_that_cannot_run_is_refused_or_recorded_as_failed_while_strea
     support::wait_snapshot_completed(&parsed).await;
 
     // No unique key to read it in order: refused before anything is asked.
-    let refused =
-        support::pgcdc(&["snapshot", "--config", all.arg(), "--table", "public.nokey"]).await;
+    let (refused, _) = request(&all, "public.nokey", &[]).await;
     assert_eq!(refused.code, 1, "{}", refused.all_output());
     assert!(
         refused.stderr.contains("public.nokey") && refused.stderr.contains("primary key"),
@@ -380,27 +365,13 @@ async fn a_snapshot_that_cannot_run_is_refused_or_recorded_as_failed_while_strea
 
     // Asked while no connector streams; by the time one does, the table
     // is no longer captured.
-    let asked = support::pgcdc(&[
-        "snapshot",
-        "--config",
-        all.arg(),
-        "--table",
-        "public.other",
-        "--no-wait",
-    ])
-    .await;
+    let (asked, id) = request(&all, "public.other", &["--no-wait"]).await;
     assert_eq!(asked.code, 0, "{}", asked.all_output());
     assert!(
         asked.stderr.contains("no connector is streaming"),
         "{}",
         asked.stderr
     );
-    let id = asked
-        .stdout
-        .split_whitespace()
-        .nth(2)
-        .expect("id")
-        .to_string();
     let items_only = ConfigFile::write(&support::pipeline_toml(
         &stack,
         &db.url,

@@ -128,14 +128,7 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
     mat::wait_converged(&source, &target).await;
 
     // The reach: full history since the initial snapshot's consistent point.
-    let marker = snapshot_marker::latest(
-        &parsed.kafka,
-        &snapshot_marker::topic(&parsed),
-        &parsed.source.slot,
-    )
-    .await
-    .expect("markers")
-    .expect("a snapshot marker");
+    let marker = support::initial_marker(&parsed).await;
     assert_eq!(marker.phase, Phase::Completed);
     let since = marker
         .consistent_ts_ms
@@ -378,14 +371,7 @@ async fn retention_cut_into_the_log_is_a_named_gap_and_a_rebuild_from_a_fresh_sn
     support::wait_caught_up(&source, &parsed.source.slot).await;
 
     // Retention removes partition 0's snapshot rows of the orders topic.
-    let marker = snapshot_marker::latest(
-        &parsed.kafka,
-        &snapshot_marker::topic(&parsed),
-        &parsed.source.slot,
-    )
-    .await
-    .expect("markers")
-    .expect("marker");
+    let marker = support::initial_marker(&parsed).await;
     let orders = format!("{}.public.orders", source_db.name);
     let cut = marker.end_offsets[&orders][&0];
     let start = marker.start_offsets[&orders][&0];

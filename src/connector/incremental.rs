@@ -263,6 +263,8 @@ struct Chunk {
 pub(super) struct Engine {
     config: Arc<Config>,
     queue: VecDeque<Marker>,
+    /// Unfinished snapshots of an earlier slot, to be recorded as failed.
+    abandoned: Vec<Marker>,
     chunk: Option<Chunk>,
     /// Codecs of the shapes chunks were read with, by table.
     codecs: HashMap<String, TableCodec>,
@@ -276,13 +278,12 @@ pub(super) struct Engine {
 }
 
 impl Engine {
-    /// Picks up the snapshots a previous run left unfinished.
-    pub(super) async fn resume(config: Arc<Config>) -> Result<Engine, RunError> {
-        let all = snapshot_marker::all(&config.kafka, &snapshot_marker::topic(&config))
-            .await
-            .map_err(RunError::Delivery)?;
+    /// Picks up the snapshots a previous run left unfinished (`markers`:
+    /// every marker of the topic). On a `new_slot` they are abandoned
+    /// instead: their start offsets belong to the old slot's history.
+    pub(super) fn resume(config: Arc<Config>, markers: Vec<Marker>, new_slot: bool) -> Engine {
         let mut latest: Vec<Marker> = Vec::new();
-        for m in all
+        for m in markers
             .into_iter()
             .filter(|m| m.slot == config.source.slot && m.kind == Kind::Incremental)
         {
@@ -292,23 +293,29 @@ impl Engine {
             }
         }
         let known = latest.iter().filter_map(|m| m.id.clone()).collect();
-        let queue: VecDeque<Marker> = latest
+        let unfinished: Vec<Marker> = latest
             .into_iter()
             .filter(|m| m.phase == Phase::Started)
             .collect();
+        let (queue, abandoned) = if new_slot {
+            (VecDeque::new(), unfinished)
+        } else {
+            (unfinished.into(), Vec::new())
+        };
         for m in &queue {
             tracing::info!(id = m.id.as_deref().unwrap_or(""), tables = ?m.tables, "resuming an incremental snapshot");
         }
-        Ok(Engine {
+        Engine {
             config,
             queue,
+            abandoned,
             chunk: None,
             codecs: Default::default(),
             watch: None,
             known,
             next_token: 0,
             attempts: 0,
-        })
+        }
     }
 
     /// Whether a chunk's read is still to arrive.
@@ -427,6 +434,21 @@ impl Engine {
     /// Starts the next chunk's read when a snapshot waits and no chunk is
     /// in flight.
     pub(super) async fn schedule(&mut self, output: &Output, sql: &Client) -> Result<(), RunError> {
+        for mut m in std::mem::take(&mut self.abandoned) {
+            tracing::warn!(
+                id = m.id.as_deref().unwrap_or(""),
+                "an unfinished incremental snapshot of the previous slot was abandoned"
+            );
+            m.phase = Phase::Failed;
+            m.error = Some(
+                "the slot was created again (with a new initial snapshot) before it completed"
+                    .into(),
+            );
+            m.ts_ms = now_ms();
+            snapshot_marker::write(&output.producer, &self.config, &m)
+                .await
+                .map_err(RunError::Delivery)?;
+        }
         if self.chunk.is_some() {
             return Ok(());
         }

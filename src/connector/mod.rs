@@ -307,10 +307,13 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         slot::drop(&sql, &config.source.slot).await?;
         existing = None;
     }
+    // Every marker, read once at start: the initial snapshot's state, and
+    // incremental snapshots to resume.
+    let markers = snapshot_marker::all(&config.kafka, &marker_topic)
+        .await
+        .map_err(RunError::Delivery)?;
     if existing.is_some() && config.source.snapshot.mode != SnapshotMode::Never {
-        let marker = snapshot_marker::latest(&config.kafka, &marker_topic, &config.source.slot)
-            .await
-            .map_err(RunError::Delivery)?;
+        let marker = markers.iter().rfind(|m| m.key() == config.source.slot);
         if marker.is_some_and(|m| m.phase == Phase::Started) {
             tracing::warn!(slot = %config.source.slot, "the slot's snapshot was interrupted; dropping the slot and taking the snapshot again");
             slot::drop(&sql, &config.source.slot).await?;
@@ -464,11 +467,13 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         }
     }
 
+    // A new slot abandons the incremental snapshots of the old one.
+    let snapshots = incremental::Engine::resume(config.clone(), markers, existing.is_none());
     repl.start().await?;
     repl.wait_started().await?;
     tracing::info!(slot = %config.source.slot, "streaming");
     let resume_commit = resume.as_ref().map_or(0, Offset::commit);
-    let last = stream(&output, &mut repl, &sql, codecs, resume_commit).await;
+    let last = stream(&output, &mut repl, &sql, codecs, snapshots, resume_commit).await;
     let last = match last {
         Ok(l) => l,
         Err(e) => {
@@ -1071,6 +1076,7 @@ async fn stream(
     repl: &mut ReplicationClient,
     sql: &Client,
     mut codecs: HashMap<u32, TableCodec>,
+    mut snapshots: incremental::Engine,
     resume_commit: u64,
 ) -> Result<u64, RunError> {
     let mut confirmed = output.acks.confirmed();
@@ -1087,7 +1093,6 @@ async fn stream(
     let mut group_tick = tokio::time::interval(release.interval);
     group_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut stall = Stall::new(Duration::from_secs(src.stall_warning_secs));
-    let mut snapshots = incremental::Engine::resume(output.config.clone()).await?;
     loop {
         snapshots.schedule(output, sql).await?;
         tokio::select! {

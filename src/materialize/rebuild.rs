@@ -250,7 +250,10 @@ pub async fn run(
                 )));
             }
             let note = (reach.kind == ReachKind::CurrentState).then(|| {
-                "a source topic is compacted: the rebuilt model holds the current state, and no history of changes before it".to_string()
+                format!(
+                    "the rebuilt model holds the current state, not the history of changes: {}",
+                    reach.summary
+                )
             });
             (retention::rebuild_start(&report), None, note)
         }

@@ -779,6 +779,15 @@ impl Drop for PrivateBroker {
     }
 }
 
+/// The latest marker of the pipeline's initial snapshot.
+pub async fn initial_marker(config: &pgcdc::config::Config) -> pgcdc::snapshot_marker::Marker {
+    use pgcdc::snapshot_marker::{latest, topic};
+    latest(&config.kafka, &topic(config), &config.source.slot)
+        .await
+        .expect("snapshot markers")
+        .expect("a snapshot marker")
+}
+
 /// Waits until the pipeline's latest snapshot marker says `completed`.
 pub async fn wait_snapshot_completed(config: &pgcdc::config::Config) {
     use pgcdc::snapshot_marker::{latest, topic, Phase};
