@@ -554,15 +554,11 @@ impl Engine {
         if codec.desc.qualified() != watch.table {
             return;
         }
-        let key: Vec<Vec<u8>> = codec
-            .desc
-            .columns
-            .iter()
-            .zip(row)
-            .filter(|(c, _)| c.key)
-            .map(|(_, d)| match d {
-                Datum::Text(b) | Datum::Binary(b) => b.clone(),
-                Datum::Null | Datum::UnchangedToast => Vec::new(),
+        let key: Vec<Vec<u8>> = key_indices(&codec.desc)
+            .into_iter()
+            .map(|i| match row.get(i) {
+                Some(Datum::Text(b) | Datum::Binary(b)) => b.clone(),
+                _ => Vec::new(),
             })
             .collect();
         watch.keys.insert(key, xid);
@@ -587,7 +583,7 @@ impl Engine {
         let Ok(w) = serde_json::from_slice::<Watermark>(content) else {
             return Ok(false);
         };
-        let Some(chunk) = self.chunk.as_mut() else {
+        let Some(chunk) = self.chunk.as_ref() else {
             return Ok(false);
         };
         if w.slot != self.config.source.slot || w.token != chunk.token {
@@ -627,12 +623,9 @@ impl Engine {
         // Streamed before this watermark by a transaction the read did
         // not see: newer than the chunk.
         let newer = |key: &Vec<Vec<u8>>| {
-            watch
-                .as_ref()
-                .is_some_and(|w| w.keys.get(key).is_some_and(|x| !seen.sees(*x)))
+            watch.is_some_and(|w| w.keys.get(key).is_some_and(|x| !seen.sees(*x)))
         };
         let truncated = watch
-            .as_ref()
             .and_then(|w| w.truncate)
             .is_some_and(|x| !seen.sees(x));
         let mut produced = 0u64;

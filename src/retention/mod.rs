@@ -159,8 +159,12 @@ pub async fn gather(
     }
     let names: Vec<String> = tables.iter().map(|t| config.topic_for(t)).collect();
     let now_ms = crate::connector::now_ms();
-    let (ranges, configs) = tokio::try_join!(
-        partitions(&config.kafka, &names),
+    let (marks, configs) = tokio::try_join!(
+        async {
+            sink::watermarks(&config.kafka, &names)
+                .await
+                .map_err(RetentionError::Kafka)
+        },
         topic_configs(&config.kafka, &names)
     )?;
     let markers_topic = snapshot_marker::topic(config);
@@ -173,31 +177,47 @@ pub async fn gather(
         .filter(|m| m.slot == config.source.slot)
         .collect();
 
-    // Timestamps of the records each candidate snapshot starts at (for
-    // when retention will delete them).
+    // One read for every timestamp wanted: each partition's first record,
+    // and the records each candidate snapshot starts at (for when
+    // retention will delete them). Only offsets the log holds a record at:
+    // asking for others would wait for a record that never comes.
+    let held = |t: &str, p: i32, o: i64| {
+        marks
+            .get(t)
+            .and_then(|parts| parts.get(&p))
+            .is_some_and(|(low, high)| *low <= o && o < *high)
+    };
     let mut wanted = Vec::new();
-    for name in &names {
-        for m in markers
-            .iter()
-            .filter(|m| m.phase == snapshot_marker::Phase::Completed)
-        {
-            if let Some(parts) = m.start_offsets.get(name) {
-                // Only offsets the log still holds a record at (asking for
-                // others would wait for a record that never comes).
-                let held = |p: i32, o: i64| {
-                    ranges.get(name).is_some_and(|rs| {
-                        rs.iter().any(|r| {
-                            r.partition == p && r.earliest_offset <= o && o < r.latest_offset
-                        })
-                    })
-                };
-                for (p, o) in parts.iter().filter(|(p, o)| held(**p, **o)) {
-                    wanted.push((name.clone(), *p, *o));
-                }
+    for (t, parts) in &marks {
+        for (p, (low, _)) in parts {
+            if held(t, *p, *low) {
+                wanted.push((t.clone(), *p, *low));
             }
         }
     }
-    let start_ts = record_timestamps(&config.kafka, wanted).await?;
+    for m in markers
+        .iter()
+        .filter(|m| m.phase == snapshot_marker::Phase::Completed)
+    {
+        for (t, parts) in m.start_offsets.iter().filter(|(t, _)| names.contains(t)) {
+            for (p, o) in parts.iter().filter(|(p, o)| held(t, **p, **o)) {
+                wanted.push((t.clone(), *p, *o));
+            }
+        }
+    }
+    let ts = record_timestamps(&config.kafka, wanted).await?;
+    let ranges: HashMap<String, Vec<PartitionRange>> = marks
+        .iter()
+        .map(|(t, parts)| {
+            let list = parts
+                .iter()
+                .map(|(p, (low, high))| {
+                    PartitionRange::new(*p, *low, *high, ts.get(&(t.clone(), *p, *low)).copied())
+                })
+                .collect();
+            (t.clone(), list)
+        })
+        .collect();
 
     let mut topics = Vec::new();
     for (table, name) in tables.iter().zip(&names) {
@@ -212,7 +232,7 @@ pub async fn gather(
             &parts,
             &tc,
             &markers,
-            &|p, o| start_ts.get(&(name.clone(), p, o)).copied(),
+            &|p, o| ts.get(&(name.clone(), p, o)).copied(),
         );
         if !exists {
             r.begins_with_complete_snapshot = false;
@@ -324,45 +344,6 @@ async fn slot_report(config: &Config) -> SlotReport {
             error: None,
         },
     }
-}
-
-/// Each existing topic's partitions with their watermarks and the
-/// timestamp of their earliest retained record. Topics the broker does
-/// not know are absent.
-async fn partitions(
-    kafka: &KafkaConfig,
-    topics: &[String],
-) -> Result<HashMap<String, Vec<PartitionRange>>, RetentionError> {
-    let marks: Vec<(String, i32, i64, i64)> = sink::watermarks(kafka, topics)
-        .await
-        .map_err(RetentionError::Kafka)?
-        .into_iter()
-        .flat_map(|(t, parts)| {
-            parts
-                .into_iter()
-                .map(move |(p, (low, high))| (t.clone(), p, low, high))
-        })
-        .collect();
-    let earliest = record_timestamps(
-        kafka,
-        marks
-            .iter()
-            .filter(|(_, _, low, high)| high > low)
-            .map(|(t, p, low, _)| (t.clone(), *p, *low))
-            .collect(),
-    )
-    .await?;
-    let mut out: HashMap<String, Vec<PartitionRange>> = HashMap::new();
-    for (topic, p, low, high) in marks {
-        let ts = earliest.get(&(topic.clone(), p, low)).copied();
-        out.entry(topic)
-            .or_default()
-            .push(PartitionRange::new(p, low, high, ts));
-    }
-    for parts in out.values_mut() {
-        parts.sort_by_key(|p| p.partition);
-    }
-    Ok(out)
 }
 
 /// The timestamp of the first record at or after each `(topic, partition,
