@@ -77,6 +77,14 @@ pub enum Command {
     /// a snapshot row never overwrites a newer change. Waits until it
     /// completed unless --no-wait.
     Snapshot(SnapshotArgs),
+    /// The dead-letter workflow: list, show, review, approve, replay
+    /// (schema check, idempotency check, then the apply path), archive,
+    /// stats, and the policies' round (enforce). Every command first
+    /// records in `pgcdc_dlq` (target database) what `<prefix>.dlq` holds.
+    Dlq {
+        #[command(subcommand)]
+        action: DlqCommand,
+    },
     /// Show or drop the pipeline's replication slot.
     Slot {
         #[command(subcommand)]
@@ -105,6 +113,117 @@ pub enum SlotAction {
         #[arg(long)]
         yes: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum DlqCommand {
+    /// Messages the filters match, oldest first.
+    List {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[command(flatten)]
+        filter: DlqFilter,
+        /// Print JSON lines instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// One message: its failure, origin, position, state and audit.
+    Show {
+        #[command(flatten)]
+        config: ConfigArg,
+        id: i64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// quarantined → under_review.
+    Review(DlqMove),
+    /// under_review → schema_check: the go-ahead for `replay`.
+    Approve(DlqMove),
+    /// Replay approved messages: schema check (archived with a note when
+    /// the writer schema cannot be read and no safe mapping exists),
+    /// idempotency check (`already_applied`, not applied again), then the
+    /// apply path. Prints a line per message and a summary.
+    Replay {
+        #[command(flatten)]
+        args: DlqMove,
+        /// Change nothing; say what each message would do (approved or not).
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// under_review, schema_check or idempotency_check → archived, keeping
+    /// the reason.
+    Archive(DlqMove),
+    /// Health: depth by state and class, age of the oldest open message,
+    /// replay success rate, arrivals against their baseline, warnings.
+    Stats {
+        #[command(flatten)]
+        config: ConfigArg,
+        /// Evaluate at this time (RFC 3339) instead of now.
+        #[arg(long)]
+        at: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        /// Exit 2 when a warning is in force.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Apply the policies (dlq.policies) once, as `pgcdc materialize` does
+    /// every dlq.check_interval_secs.
+    Enforce {
+        #[command(flatten)]
+        config: ConfigArg,
+        #[arg(long)]
+        dry_run: bool,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Which messages: ids, or filters (all of them must match).
+#[derive(Debug, clap::Args)]
+pub struct DlqFilter {
+    /// Message ids (see `pgcdc dlq list`).
+    pub ids: Vec<i64>,
+    /// quarantined, under_review, schema_check, idempotency_check,
+    /// replayed or archived; repeat for several.
+    #[arg(long)]
+    pub state: Vec<String>,
+    /// A failure class, such as sink_unavailable.
+    #[arg(long)]
+    pub class: Option<String>,
+    /// A captured table (schema.table).
+    #[arg(long)]
+    pub table: Option<String>,
+    /// Quarantined at or after: RFC 3339, or a span ago (2h, 7d).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Quarantined before: RFC 3339, or a span ago.
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Act on every message when no id or filter is given.
+    #[arg(long)]
+    pub all: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct DlqMove {
+    #[command(flatten)]
+    pub config: ConfigArg,
+    #[command(flatten)]
+    pub filter: DlqFilter,
+    /// Who does this (a person's name), for the audit.
+    #[arg(long)]
+    pub actor: String,
+    /// Why, for the audit (required to archive; replay records the
+    /// checks' findings instead).
+    #[arg(long)]
+    pub reason: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -252,6 +371,7 @@ pub async fn execute(command: Command) -> u8 {
         Command::Retention(args) => retention(&args).await,
         Command::Rebuild(args) => rebuild(&args).await,
         Command::Snapshot(args) => snapshot(&args).await,
+        Command::Dlq { action } => dlq(action).await,
     };
     match outcome {
         Ok(code) => code,
@@ -527,4 +647,273 @@ async fn materialize(args: &RunArgs) -> Result<u8, Failure> {
     }
     crate::materialize::run(config).await?;
     Ok(exit::OK)
+}
+
+impl DlqFilter {
+    fn build(&self, bulk: bool) -> Result<crate::dlq::store::Filter, Failure> {
+        use crate::retention::time::{parse_span, parse_timestamp};
+        let now = crate::connector::now_ms();
+        let when = |flag: &str, t: &Option<String>| -> Result<Option<i64>, Failure> {
+            t.as_deref()
+                .map(|t| {
+                    parse_timestamp(t)
+                        .or_else(|| parse_span(t).map(|ago| now - ago))
+                        .ok_or_else(|| {
+                            Failure(format!(
+                                "--{flag} {t}: not an RFC 3339 time or a span such as 2h"
+                            ))
+                        })
+                })
+                .transpose()
+        };
+        let states = self
+            .state
+            .iter()
+            .map(|s| {
+                crate::dlq::State::parse(s)
+                    .ok_or_else(|| Failure(format!("--state {s}: not a state")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let class = self
+            .class
+            .as_deref()
+            .map(|c| {
+                crate::dlq::Class::parse(c)
+                    .ok_or_else(|| Failure(format!("--class {c}: not a failure class")))
+            })
+            .transpose()?;
+        let f = crate::dlq::store::Filter {
+            ids: self.ids.clone(),
+            states,
+            class,
+            table: self.table.clone(),
+            since_ms: when("since", &self.since)?,
+            until_ms: when("until", &self.until)?,
+        };
+        let unfiltered = f.ids.is_empty()
+            && f.states.is_empty()
+            && f.class.is_none()
+            && f.table.is_none()
+            && f.since_ms.is_none()
+            && f.until_ms.is_none();
+        if bulk && unfiltered && !self.all {
+            return Err(Failure(
+                "name message ids, give a filter (--class, --table, --state, --since, --until) or --all"
+                    .into(),
+            ));
+        }
+        Ok(f)
+    }
+}
+
+async fn dlq(action: DlqCommand) -> Result<u8, Failure> {
+    use crate::dlq::{self, store, State};
+    match action {
+        DlqCommand::List {
+            config,
+            filter,
+            json,
+        } => {
+            let cfg = load(&config).map_err(config_failure)?;
+            let db = dlq::open(&cfg).await?;
+            let messages = store::list(&db, &filter.build(false)?).await?;
+            for m in &messages {
+                if json {
+                    println!("{}", serde_json::to_string(m)?);
+                } else {
+                    println!(
+                        "{:>6}  {:<18} {:<21} {}  {}  {}",
+                        m.id,
+                        m.state.as_str(),
+                        m.class.as_str(),
+                        crate::retention::time::rfc3339(m.quarantined_ms),
+                        m.source_table.as_deref().unwrap_or(&m.origin_topic),
+                        m.position
+                            .map(|(c, s)| format!("{c}:{s}"))
+                            .unwrap_or_else(|| "-".into())
+                    );
+                }
+            }
+            if !json {
+                println!("{} messages", messages.len());
+            }
+            Ok(exit::OK)
+        }
+        DlqCommand::Show { config, id, json } => {
+            let cfg = load(&config).map_err(config_failure)?;
+            let db = dlq::open(&cfg).await?;
+            let m = store::get(&db, id).await?;
+            let audit = store::audit(&db, id).await?;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(
+                        &serde_json::json!({"message": m, "audit": audit})
+                    )?
+                );
+            } else {
+                let t = crate::retention::time::rfc3339;
+                println!("message {}: {} ({})", m.id, m.state, m.class);
+                println!("  error: {}", m.error);
+                println!(
+                    "  origin: {} partition {} offset {}",
+                    m.origin_topic,
+                    m.origin_partition
+                        .map(|p| p.to_string())
+                        .unwrap_or("-".into()),
+                    m.origin_offset.map(|p| p.to_string()).unwrap_or("-".into())
+                );
+                if let Some((c, s)) = m.position {
+                    println!("  position: {c}:{s}");
+                }
+                println!(
+                    "  attempts {}, first failure {}, last failure {}, quarantined {}",
+                    m.attempts,
+                    t(m.first_failure_ms),
+                    t(m.last_failure_ms),
+                    t(m.quarantined_ms)
+                );
+                if let Some(o) = m.outcome {
+                    println!("  outcome: {}", o.as_str());
+                }
+                if let Some(r) = &m.archived_reason {
+                    println!("  archived because: {r}");
+                }
+                if let Some(n) = &m.note {
+                    println!("  note: {n}");
+                }
+                if let Some(old) = m.replay_of {
+                    println!("  replay of message {old}");
+                }
+                println!("  audit:");
+                for a in audit {
+                    println!(
+                        "    {} {} → {} by {}: {}",
+                        t(a.at_ms),
+                        a.from.as_deref().unwrap_or("-"),
+                        a.to,
+                        a.actor,
+                        a.reason
+                    );
+                }
+            }
+            Ok(exit::OK)
+        }
+        DlqCommand::Review(args) => {
+            moves(&args, &[State::Quarantined], State::UnderReview, "reviewed").await
+        }
+        DlqCommand::Approve(args) => {
+            moves(
+                &args,
+                &[State::UnderReview],
+                State::SchemaCheck,
+                "approved for replay",
+            )
+            .await
+        }
+        DlqCommand::Archive(args) => {
+            if args.reason.as_deref().is_none_or(|r| r.trim().is_empty()) {
+                return Err(Failure(
+                    "--reason: an archived message keeps why it was archived".into(),
+                ));
+            }
+            moves(
+                &args,
+                &[
+                    State::UnderReview,
+                    State::SchemaCheck,
+                    State::IdempotencyCheck,
+                ],
+                State::Archived,
+                "",
+            )
+            .await
+        }
+        DlqCommand::Replay {
+            args,
+            dry_run,
+            json,
+        } => {
+            dlq::check_actor(&args.actor)?;
+            let cfg = load(&args.config).map_err(config_failure)?;
+            let filter = args.filter.build(true)?;
+            dlq::open(&cfg).await?;
+            let mut replayer = crate::materialize::replay::Replayer::open(&cfg).await?;
+            let summary = dlq::replay(&mut replayer, &filter, &args.actor, dry_run).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&summary)?);
+            } else {
+                print!("{}", summary.render());
+            }
+            Ok(exit::OK)
+        }
+        DlqCommand::Stats {
+            config,
+            at,
+            json,
+            check,
+        } => {
+            let cfg = load(&config).map_err(config_failure)?;
+            let now = match at.as_deref() {
+                Some(t) => crate::retention::time::parse_timestamp(t)
+                    .ok_or_else(|| Failure(format!("--at {t}: not an RFC 3339 time")))?,
+                None => crate::connector::now_ms(),
+            };
+            let db = dlq::open(&cfg).await?;
+            let h = dlq::stats(&cfg, &db, now).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&h)?);
+            } else {
+                print!("{}", h.render());
+            }
+            Ok(if check && !h.warnings.is_empty() {
+                exit::CHECK_FAILED
+            } else {
+                exit::OK
+            })
+        }
+        DlqCommand::Enforce {
+            config,
+            dry_run,
+            json,
+        } => {
+            let cfg = load(&config).map_err(config_failure)?;
+            dlq::open(&cfg).await?;
+            let mut replayer = crate::materialize::replay::Replayer::open(&cfg).await?;
+            let round =
+                dlq::enforce(&cfg, &mut replayer, crate::connector::now_ms(), dry_run).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&round)?);
+            } else {
+                for (id, why) in &round.archived {
+                    println!("{id}: archived ({why})");
+                }
+                print!("{}", round.replayed.render());
+            }
+            Ok(exit::OK)
+        }
+    }
+}
+
+async fn moves(
+    args: &DlqMove,
+    from: &[crate::dlq::State],
+    to: crate::dlq::State,
+    default_reason: &str,
+) -> Result<u8, Failure> {
+    crate::dlq::check_actor(&args.actor)?;
+    let cfg = load(&args.config).map_err(config_failure)?;
+    let filter = args.filter.build(true)?;
+    let db = crate::dlq::open(&cfg).await?;
+    let reason = args.reason.as_deref().unwrap_or(default_reason);
+    let report = crate::dlq::move_all(&db, &filter, from, to, &args.actor, reason).await?;
+    print!("{}", report.render(to.as_str()));
+    for (id, why) in &report.refused {
+        eprintln!("error: message {id}: {why}");
+    }
+    Ok(if report.refused.is_empty() {
+        exit::OK
+    } else {
+        exit::CHECK_FAILED
+    })
 }

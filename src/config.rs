@@ -100,6 +100,143 @@ pub struct Config {
     pub read_models: BTreeMap<String, ReadModelConfig>,
     #[serde(default)]
     pub retention: RetentionConfig,
+    #[serde(default)]
+    pub dlq: DlqConfig,
+}
+
+/// The dead-letter workflow (`pgcdc dlq`, and what `pgcdc materialize`
+/// does with messages it cannot apply).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DlqConfig {
+    /// Attempts at a batch while the target database is unavailable before
+    /// its messages are quarantined as `sink_unavailable` and the
+    /// partitions move on; 0 retries for ever (nothing is quarantined for
+    /// an outage).
+    #[serde(default = "default_dlq_max_attempts")]
+    pub max_attempts: u32,
+    /// Seconds between the materializer's rounds of the workflow: record
+    /// new arrivals in `pgcdc_dlq`, apply the policies, export the health
+    /// metrics; 0 disables them.
+    #[serde(default = "default_dlq_check_secs")]
+    pub check_interval_secs: u64,
+    #[serde(default)]
+    pub health: DlqHealthConfig,
+    /// Named policies; the actor of what one does is `auto:<name>`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub policies: BTreeMap<String, DlqPolicyConfig>,
+    /// Safe mappings by captured table (`schema.table`), used by the
+    /// replay's schema check when a message's writer schema cannot be read
+    /// as the current one.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mappings: BTreeMap<String, DlqMappingConfig>,
+}
+
+impl Default for DlqConfig {
+    fn default() -> Self {
+        DlqConfig {
+            max_attempts: default_dlq_max_attempts(),
+            check_interval_secs: default_dlq_check_secs(),
+            health: DlqHealthConfig::default(),
+            policies: BTreeMap::new(),
+            mappings: BTreeMap::new(),
+        }
+    }
+}
+
+/// About two minutes of backoff (0.4 s doubling to 30 s).
+fn default_dlq_max_attempts() -> u32 {
+    10
+}
+fn default_dlq_check_secs() -> u64 {
+    30
+}
+
+/// When `pgcdc dlq stats` and the metrics warn.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DlqHealthConfig {
+    /// Warn when the last hour's arrivals exceed this many times the
+    /// baseline (an EWMA of earlier hours).
+    #[serde(default = "default_arrival_factor")]
+    pub arrival_factor: f64,
+    /// ... and are at least this many (a quiet queue is not noisy).
+    #[serde(default = "default_min_arrivals")]
+    pub min_arrivals: u64,
+    /// Weight of each new hour in the baseline (0 < alpha <= 1).
+    #[serde(default = "default_baseline_alpha")]
+    pub baseline_alpha: f64,
+    /// Warn when a message has waited longer than this span without being
+    /// replayed or archived (the slow leak that depth does not show).
+    #[serde(default = "default_max_oldest_age")]
+    pub max_oldest_age: String,
+}
+
+impl Default for DlqHealthConfig {
+    fn default() -> Self {
+        DlqHealthConfig {
+            arrival_factor: default_arrival_factor(),
+            min_arrivals: default_min_arrivals(),
+            baseline_alpha: default_baseline_alpha(),
+            max_oldest_age: default_max_oldest_age(),
+        }
+    }
+}
+
+fn default_arrival_factor() -> f64 {
+    3.0
+}
+fn default_min_arrivals() -> u64 {
+    5
+}
+fn default_baseline_alpha() -> f64 {
+    0.2
+}
+fn default_max_oldest_age() -> String {
+    "24h".to_string()
+}
+
+/// What a policy does without a person's `approve`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DlqAction {
+    /// Replay (both checks still run) messages of `classes` whose first
+    /// failure lies in the window `[from, until)`.
+    Replay,
+    /// Archive messages of `classes` (every class when empty) left
+    /// unaddressed for `after`.
+    Archive,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DlqPolicyConfig {
+    pub action: DlqAction,
+    /// Failure classes the policy covers.
+    #[serde(default)]
+    pub classes: Vec<String>,
+    /// Replay: start of the window (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// Replay: end of the window, exclusive (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until: Option<String>,
+    /// Archive: a span (`30d`) after the message's quarantine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub after: Option<String>,
+}
+
+/// How an old writer's record is turned into what the reader needs.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DlqMappingConfig {
+    /// Writer field name → the column it became.
+    #[serde(default)]
+    pub renames: BTreeMap<String, String>,
+    /// Column → the value (as Postgres text) for records whose writer
+    /// did not have it.
+    #[serde(default)]
+    pub defaults: BTreeMap<String, String>,
 }
 
 /// Rebuild-reach checks that `pgcdc materialize` runs while it works.
@@ -727,7 +864,115 @@ impl Config {
                 }
             }
         }
+        self.validate_dlq(&mut v);
         v.errors
+    }
+
+    fn validate_dlq(&self, v: &mut Validator) {
+        use crate::retention::time::{parse_span, parse_timestamp};
+        let d = &self.dlq;
+        let h = &d.health;
+        v.check(
+            h.arrival_factor.is_finite() && h.arrival_factor > 1.0,
+            "dlq.health.arrival_factor",
+            "must be a number greater than 1",
+        );
+        v.check(
+            h.baseline_alpha > 0.0 && h.baseline_alpha <= 1.0,
+            "dlq.health.baseline_alpha",
+            "must be greater than 0 and at most 1",
+        );
+        v.check(
+            parse_span(&h.max_oldest_age).is_some_and(|ms| ms > 0),
+            "dlq.health.max_oldest_age",
+            "must be a span such as 24h, 3d or 90m",
+        );
+        for (name, p) in &d.policies {
+            let base = format!("dlq.policies.{name}");
+            v.check(is_identifier(name), &base, "name must be a-z, 0-9 or '_'");
+            for (i, c) in p.classes.iter().enumerate() {
+                if crate::dlq::Class::parse(c).is_none() {
+                    v.push(
+                        &format!("{base}.classes[{i}]"),
+                        format!(
+                            "'{c}' is not a failure class ({})",
+                            crate::dlq::Class::ALL
+                                .iter()
+                                .map(|c| c.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                    );
+                }
+            }
+            let at = |field: &str, text: &Option<String>, v: &mut Validator| match text {
+                Some(t) => {
+                    let ms = parse_timestamp(t);
+                    if ms.is_none() {
+                        v.push(
+                            &format!("{base}.{field}"),
+                            "must be an RFC 3339 time such as 2026-12-01T02:00:00Z".into(),
+                        );
+                    }
+                    ms
+                }
+                None => None,
+            };
+            match p.action {
+                DlqAction::Replay => {
+                    // Narrow by construction: named classes and a bounded window.
+                    v.check(
+                        !p.classes.is_empty(),
+                        &format!("{base}.classes"),
+                        "must name the classes an automatic replay covers",
+                    );
+                    let (from, until) = (at("from", &p.from, v), at("until", &p.until, v));
+                    v.check(
+                        p.from.is_some() && p.until.is_some(),
+                        &base,
+                        "an automatic replay needs a window: from and until",
+                    );
+                    if let (Some(f), Some(u)) = (from, until) {
+                        v.check(u > f, &format!("{base}.until"), "must be after from");
+                    }
+                    v.check(
+                        p.after.is_none(),
+                        &format!("{base}.after"),
+                        "belongs to action = \"archive\"",
+                    );
+                }
+                DlqAction::Archive => {
+                    v.check(
+                        p.after
+                            .as_deref()
+                            .and_then(parse_span)
+                            .is_some_and(|ms| ms > 0),
+                        &format!("{base}.after"),
+                        "is required: a span such as 30d after which unaddressed messages are archived",
+                    );
+                    v.check(
+                        p.from.is_none() && p.until.is_none(),
+                        &base,
+                        "from and until belong to action = \"replay\"",
+                    );
+                }
+            }
+        }
+        for (table, m) in &d.mappings {
+            let base = format!("dlq.mappings.\"{table}\"");
+            v.check(
+                self.source.tables.contains(table),
+                &base,
+                "is not one of source.tables",
+            );
+            for (from, to) in &m.renames {
+                v.check(
+                    from != to && !from.is_empty() && !to.is_empty(),
+                    &format!("{base}.renames.{from}"),
+                    "must name another, non-empty column",
+                );
+            }
+        }
     }
 
     /// A declared read model by name (`--read-model NAME`), or an error

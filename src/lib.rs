@@ -10,6 +10,7 @@
 pub mod cli;
 pub mod config;
 pub mod connector;
+pub mod dlq;
 pub mod encode;
 pub mod exit;
 pub mod materialize;

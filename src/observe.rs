@@ -62,6 +62,22 @@ pub const SLOT_RETAINED_WAL_BYTES: &str = "pgcdc_slot_retained_wal_bytes";
 pub const SLOT_SAFE_WAL_SIZE_BYTES: &str = "pgcdc_slot_safe_wal_size_bytes";
 /// Retention checks that failed (Kafka or Postgres unreachable).
 pub const RETENTION_CHECK_ERRORS: &str = "pgcdc_retention_check_errors_total";
+/// Dead letters by state and class.
+pub const DLQ_DEPTH: &str = "pgcdc_dlq_depth";
+/// Seconds the oldest open dead letter has waited.
+pub const DLQ_OLDEST_AGE: &str = "pgcdc_dlq_oldest_open_age_seconds";
+/// Replays that ended applied or already applied, over every replay.
+pub const DLQ_REPLAY_SUCCESS: &str = "pgcdc_dlq_replay_success_ratio";
+/// Replays that failed again.
+pub const DLQ_REPLAY_REFAILED: &str = "pgcdc_dlq_replay_refailed";
+/// Dead letters quarantined in the last hour.
+pub const DLQ_ARRIVALS: &str = "pgcdc_dlq_arrivals_last_hour";
+/// EWMA of hourly arrivals before the last hour.
+pub const DLQ_ARRIVAL_BASELINE: &str = "pgcdc_dlq_arrival_baseline_per_hour";
+/// Health warnings in force (arrival burst, slow leak).
+pub const DLQ_WARNINGS: &str = "pgcdc_dlq_health_warnings";
+/// Messages a policy replayed or archived, by policy and action.
+pub const DLQ_POLICY_ACTIONS: &str = "pgcdc_dlq_policy_actions_total";
 
 /// Serves `/metrics` on `addr`.
 pub fn install(addr: SocketAddr) -> Result<(), String> {
@@ -149,4 +165,24 @@ fn describe() {
         "WAL that can be written before the slot is at risk of invalidation"
     );
     metrics::describe_counter!(RETENTION_CHECK_ERRORS, "Retention checks that failed");
+    metrics::describe_gauge!(DLQ_DEPTH, "Dead letters by state and class");
+    metrics::describe_gauge!(
+        DLQ_OLDEST_AGE,
+        "Seconds the oldest open dead letter has waited"
+    );
+    metrics::describe_gauge!(
+        DLQ_REPLAY_SUCCESS,
+        "Replays applied or already applied, over every replay (a replay that failed again counts against it)"
+    );
+    metrics::describe_gauge!(DLQ_REPLAY_REFAILED, "Replays that failed again");
+    metrics::describe_gauge!(DLQ_ARRIVALS, "Dead letters quarantined in the last hour");
+    metrics::describe_gauge!(
+        DLQ_ARRIVAL_BASELINE,
+        "EWMA of hourly dead-letter arrivals before the last hour"
+    );
+    metrics::describe_gauge!(DLQ_WARNINGS, "Dead-letter health warnings in force");
+    metrics::describe_counter!(
+        DLQ_POLICY_ACTIONS,
+        "Dead letters a policy replayed or archived, by policy and action"
+    );
 }

@@ -235,6 +235,25 @@ async fn blocking<T: Send + 'static>(
 /// left as they are, so brokers without topic creation (or users who
 /// create topics themselves) work.
 pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[String]) -> Result<(), KafkaError> {
+    create_missing(kafka, topics, &[]).await
+}
+
+/// Creates the dead-letter topic when it is missing: one partition (the
+/// workflow reads it in order), `cleanup.policy=delete` and
+/// `retention.ms=-1`, so a quarantined message is never compacted away
+/// or expired before the store recorded it.
+pub async fn ensure_dlq_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), KafkaError> {
+    let mut kafka = kafka.clone();
+    kafka.partitions = 1;
+    kafka.cleanup_policy = crate::config::CleanupPolicy::Delete;
+    create_missing(&kafka, &[topic.to_string()], &[("retention.ms", "-1")]).await
+}
+
+async fn create_missing(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    extra: &[(&str, &str)],
+) -> Result<(), KafkaError> {
     let admin: AdminClient<DefaultClientContext> = client_config(kafka).create()?;
     let missing: Vec<String> = {
         let wanted = topics.to_vec();
@@ -267,6 +286,7 @@ pub async fn ensure_topics(kafka: &KafkaConfig, topics: &[String]) -> Result<(),
             )
             .set("cleanup.policy", kafka.cleanup_policy.as_str())
         })
+        .map(|t| extra.iter().fold(t, |t, (k, v)| t.set(k, v)))
         .collect();
     let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
     for result in admin.create_topics(new.iter(), &opts).await? {

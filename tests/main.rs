@@ -5,6 +5,7 @@ mod support;
 
 mod check;
 mod connector;
+mod dlq;
 mod exactly_once;
 mod incremental;
 mod materialize;

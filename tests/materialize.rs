@@ -469,7 +469,12 @@ pub(crate) async fn samples(addr: &str, name: &str) -> Vec<(String, f64)> {
 }
 
 /// Polls until `cond` holds for a counter, or panics after `limit`.
-async fn wait_counter(addr: &str, name: &str, limit: Duration, cond: impl Fn(f64) -> bool) -> f64 {
+pub(crate) async fn wait_counter(
+    addr: &str,
+    name: &str,
+    limit: Duration,
+    cond: impl Fn(f64) -> bool,
+) -> f64 {
     let deadline = std::time::Instant::now() + limit;
     loop {
         let v = counter(addr, name).await;

@@ -45,6 +45,7 @@ pub mod fast_tier;
 pub mod mirror;
 pub mod rebuild;
 pub mod recent;
+pub mod replay;
 pub mod shape;
 pub mod view;
 
@@ -62,6 +63,7 @@ use serde_json::Value as Json;
 use tokio_postgres::{Client, GenericClient};
 
 use crate::config::Config;
+use crate::dlq::{classify, Fault, Verdict};
 use crate::encode::{decode_datum, unframe};
 use crate::observe;
 use crate::registry::client::{ClientError, RegistryClient};
@@ -98,26 +100,28 @@ pub enum MaterializeError {
 }
 
 impl MaterializeError {
+    /// What [`classify`] says of a target database error after `attempts`
+    /// attempts at the batch; `None` for other errors.
+    pub fn target_verdict(&self, attempts: u32, max_attempts: u32) -> Option<Verdict> {
+        let MaterializeError::Postgres(e) = self else {
+            return None;
+        };
+        Some(classify(&Fault::Target {
+            sqlstate: e.code().map(|c| c.code()),
+            attempts,
+            max_attempts,
+        }))
+    }
+
     /// The one place that decides: `Some(cause)` for an infrastructure
     /// error (retry the batch with backoff), `None` for one a retry cannot
     /// fix (stop with the error).
     pub fn retry_cause(&self) -> Option<&'static str> {
         match self {
-            MaterializeError::Postgres(e) => {
-                let Some(code) = e.code() else {
-                    // No SQLSTATE: the connection (closed, I/O, timeout).
-                    return Some("target");
-                };
-                let c = code.code();
-                // Connection, resources, shutdown, conflicts, system errors.
-                (c.starts_with("08")
-                    || c.starts_with("53")
-                    || c.starts_with("57")
-                    || c.starts_with("58")
-                    || c.starts_with("40")
-                    || c == "55P03")
-                    .then_some("target")
-            }
+            MaterializeError::Postgres(_) => match self.target_verdict(1, 0) {
+                Some(Verdict::Retry(cause)) => Some(cause),
+                _ => None,
+            },
             MaterializeError::Kafka(_) | MaterializeError::DeadLetter(_) => Some("kafka"),
             MaterializeError::Registry(_) | MaterializeError::RegistryUnavailable(_) => {
                 Some("registry")
@@ -175,6 +179,9 @@ struct State {
     views: Vec<View>,
     statements: Statements,
     fast: fast_tier::FastTier,
+    /// A dead-letter replay's safe mapping for the message at hand
+    /// (renamed fields, defaults); `None` on the live path.
+    mapping: Option<crate::config::DlqMappingConfig>,
 }
 
 impl State {
@@ -182,18 +189,24 @@ impl State {
         if let Some(w) = self.writers.get(&id) {
             return Ok(w.clone());
         }
-        let text = self.registry.schema_by_id(id).await.map_err(|e| Failure {
-            // Only an id the registry does not know is the record's fault;
-            // an unreachable or failing registry is retried (see `Failure`).
-            class: match e {
-                ClientError::Refused { status: 404, .. } => "unknown_schema",
-                _ => REGISTRY_UNAVAILABLE,
-            },
-            error: e.to_string(),
-            position: None,
+        let text = self.registry.schema_by_id(id).await.map_err(|e| {
+            let status = match &e {
+                ClientError::Refused { status, .. } => Some(*status),
+                _ => None,
+            };
+            Failure {
+                // Only an id the registry does not know is the record's
+                // fault; an unreachable or failing registry is retried.
+                class: match classify(&Fault::SchemaLookup { status }) {
+                    Verdict::Quarantine(c) => c.as_str(),
+                    _ => REGISTRY_UNAVAILABLE,
+                },
+                error: e.to_string(),
+                position: None,
+            }
         })?;
         let bad = |e: String| Failure {
-            class: "deserialization",
+            class: quarantine_class(Fault::Body),
             error: format!("schema {id}: {e}"),
             position: None,
         };
@@ -254,11 +267,19 @@ impl State {
     /// Decodes a changelog record into a change for `mirror`.
     async fn decode(&mut self, topic: &str, value: &[u8]) -> Result<Change, Failure> {
         let bad = |error: String| Failure {
-            class: "deserialization",
+            class: quarantine_class(Fault::Body),
             error,
             position: None,
         };
-        let (id, datum) = unframe(value).ok_or_else(|| bad("not Confluent-framed Avro".into()))?;
+        let (id, datum) = unframe(value).ok_or_else(|| Failure {
+            class: quarantine_class(Fault::Framing),
+            error: match value.first() {
+                None => "an empty record".to_string(),
+                Some(0) => format!("{} bytes: too short for a Confluent frame", value.len()),
+                Some(b) => format!("magic byte {b:#04x}, not 0x00: not Confluent-framed Avro"),
+            },
+            position: None,
+        })?;
         let w = self.writer(id).await?;
         let envelope = decode_datum(&w.schema, datum).map_err(|e| bad(e.to_string()))?;
         let Value::Record(fields) = &envelope else {
@@ -304,6 +325,15 @@ impl State {
                 .map(|f| f["type"].clone())
                 .unwrap_or(Json::Null)
         };
+        let mapping = self.mapping.as_ref();
+        // The writer's name for a mirror column (a replay's mapping may
+        // say the column was renamed since).
+        let writer_name = |column: &str| -> String {
+            mapping
+                .and_then(|m| m.renames.iter().find(|(_, to)| *to == column))
+                .map(|(from, _)| from.clone())
+                .unwrap_or_else(|| column.to_string())
+        };
         let cells_of = |image: &Value| -> Result<Vec<Cell>, Failure> {
             let Value::Record(row) = image else {
                 return Err(bad("row image is not a record".into()));
@@ -311,16 +341,23 @@ impl State {
             mirror
                 .columns
                 .iter()
-                .map(|c| match row.iter().find(|(n, _)| n == &c.name) {
-                    Some((_, v)) => {
-                        shape::cell(v, &field_schema(&c.name), &w.names).map_err(|e| Failure {
-                            class: "unsupported_value",
-                            error: format!("{}.{}: {e}", mirror.source, c.name),
-                            position: Some(position),
-                        })
+                .map(|c| {
+                    let name = writer_name(&c.name);
+                    match row.iter().find(|(n, _)| *n == name) {
+                        Some((_, v)) => {
+                            shape::cell(v, &field_schema(&name), &w.names).map_err(|e| Failure {
+                                class: quarantine_class(Fault::Value),
+                                error: format!("{}.{}: {e}", mirror.source, c.name),
+                                position: Some(position),
+                            })
+                        }
+                        // A column the writer did not have: the mapping's
+                        // default, or leave it as it is.
+                        None => Ok(mapping
+                            .and_then(|m| m.defaults.get(&c.name))
+                            .map(|d| Cell::Text(d.clone()))
+                            .unwrap_or(Cell::Unchanged)),
                     }
-                    // A column the writer did not have: leave it as it is.
-                    None => Ok(Cell::Unchanged),
                 })
                 .collect()
         };
@@ -484,12 +521,13 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         views,
     } = prepare(&config, &db).await?;
     let dlq = dlq_topic(&config);
-    sink::ensure_topics(&config.kafka, std::slice::from_ref(&dlq)).await?;
+    sink::ensure_dlq_topic(&config.kafka, &dlq).await?;
     let producer = sink::Producer::create(&config.kafka, None).await?;
     let dead_letters = DeadLetters {
         producer: Some(&producer),
         topic: &dlq,
         sent: Default::default(),
+        replay_of: None,
     };
 
     let group = target
@@ -524,11 +562,14 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         views,
         statements: Statements::default(),
         fast,
+        mapping: None,
     };
     let committed = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
     let lag = tokio::spawn(report_lag(config.clone(), committed.clone()));
     let reach = (config.retention.check_interval_secs > 0 && !config.read_models.is_empty())
         .then(|| tokio::spawn(check_reach(config.clone())));
+    let keeper = (config.dlq.check_interval_secs > 0)
+        .then(|| tokio::spawn(crate::dlq::keep(config.clone())));
     // At start too: an instance restarted more often than the sweep
     // interval still sweeps.
     sweep(&db, target.redelivery_window_hours).await?;
@@ -549,14 +590,35 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         }
         let started = Instant::now();
         let mut attempt = 0u32;
+        let first_failure_ms = crate::connector::now_ms();
         loop {
             let Err(e) = apply_batch(&mut state, &mut db, &dead_letters, &batch).await else {
                 break;
             };
+            attempt += 1;
+            if let Some(Verdict::Quarantine(class)) =
+                e.target_verdict(attempt, config.dlq.max_attempts)
+            {
+                // The target stayed down through every attempt: the batch
+                // goes to the dead-letter topic (acknowledged) and the
+                // partitions move on; a replay brings it back.
+                let n = quarantine_batch(
+                    &mut state,
+                    &dead_letters,
+                    &batch,
+                    class,
+                    &e.to_string(),
+                    (attempt, first_failure_ms),
+                )
+                .await?;
+                tracing::error!(attempts = attempt, messages = n, class = class.as_str(),
+                    "target database unavailable through every attempt; the batch is quarantined (pgcdc dlq replay brings it back)");
+                metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(n);
+                break;
+            }
             let Some(cause) = e.retry_cause() else {
                 return Err(e);
             };
-            attempt += 1;
             // 0.2 s doubling to 30 s: quick after a blip, gentle in an outage.
             let delay =
                 Duration::from_millis(200u64 << attempt.min(8)).min(Duration::from_secs(30));
@@ -615,13 +677,19 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             });
         }
         if last_sweep.elapsed() > Duration::from_secs(60) {
-            sweep(&db, target.redelivery_window_hours).await?;
+            // Housekeeping: a target down right now is retried next time.
+            if let Err(e) = sweep(&db, target.redelivery_window_hours).await {
+                tracing::warn!(error = %e, "tombstone sweep failed; trying again later");
+            }
             last_sweep = Instant::now();
         }
     }
     lag.abort();
     if let Some(r) = reach {
         r.abort();
+    }
+    if let Some(k) = keeper {
+        k.abort();
     }
     tracing::info!("stopped");
     Ok(())
@@ -825,11 +893,23 @@ async fn sweep(db: &Client, hours: u64) -> Result<(), MaterializeError> {
 /// Whether a database error is about the data (the row goes to the
 /// dead-letter topic) rather than the database (retry the batch).
 fn is_data_error(e: &tokio_postgres::Error) -> Option<&'static str> {
-    let code = e.code()?.code();
-    match &code[..2] {
-        "23" => Some("constraint_violation"),
-        "22" => Some("unsupported_value"),
+    let fault = Fault::Target {
+        sqlstate: Some(e.code()?.code()),
+        attempts: 1,
+        max_attempts: 0,
+    };
+    match classify(&fault) {
+        Verdict::Quarantine(c) => Some(c.as_str()),
         _ => None,
+    }
+}
+
+/// The class of a fault that always quarantines.
+fn quarantine_class(fault: Fault<'_>) -> &'static str {
+    match classify(&fault) {
+        Verdict::Quarantine(c) => c.as_str(),
+        // Not reached for the faults passed here; the safest class.
+        _ => crate::dlq::Class::Deserialization.as_str(),
     }
 }
 
@@ -860,6 +940,38 @@ async fn decode_batch(
         }
     }
     Ok((changes, dead))
+}
+
+/// Sends every message of a batch the target could not take to the
+/// dead-letter topic with `class`; returns how many. The position comes
+/// from decoding without the target (best effort: a record that does not
+/// decode goes without one).
+async fn quarantine_batch(
+    state: &mut State,
+    dead_letters: &DeadLetters<'_>,
+    batch: &[rdkafka::message::OwnedMessage],
+    class: crate::dlq::Class,
+    error: &str,
+    attempts: (u32, i64),
+) -> Result<u64, MaterializeError> {
+    let mut n = 0;
+    for m in batch {
+        let Some(value) = m.payload() else { continue };
+        let outage = |position| Failure {
+            class: class.as_str(),
+            error: error.to_string(),
+            position,
+        };
+        // A record that could not be applied anyway keeps its own class.
+        let f = match state.decode(m.topic(), value).await {
+            Ok(c) => outage(Some(c.position)),
+            Err(f) if f.class == REGISTRY_UNAVAILABLE => outage(None),
+            Err(f) => f,
+        };
+        dead_letters.send_after(m, &f, attempts).await?;
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// What a batch did.
@@ -1192,6 +1304,8 @@ struct DeadLetters<'a> {
     /// Origins sent while the current batch is retried, so that a retry
     /// does not send them again.
     sent: std::sync::Mutex<HashSet<(String, i32, i64)>>,
+    /// The dead letter a replay failed for (header `pgcdc.replay_of`).
+    replay_of: Option<i64>,
 }
 
 impl DeadLetters<'_> {
@@ -1202,11 +1316,22 @@ impl DeadLetters<'_> {
         m: &rdkafka::message::OwnedMessage,
         f: &Failure,
     ) -> Result<(), MaterializeError> {
+        self.send_after(m, f, (1, crate::connector::now_ms())).await
+    }
+
+    /// [`DeadLetters::send`] after `attempts.0` attempts, the first at
+    /// `attempts.1` (ms since the epoch).
+    async fn send_after(
+        &self,
+        m: &rdkafka::message::OwnedMessage,
+        f: &Failure,
+        attempts: (u32, i64),
+    ) -> Result<(), MaterializeError> {
         let origin = (m.topic().to_string(), m.partition(), m.offset());
         if self.sent.lock().is_ok_and(|s| s.contains(&origin)) {
             return Ok(());
         }
-        self.deliver(m, f).await?;
+        self.deliver(m, f, attempts).await?;
         if let Ok(mut s) = self.sent.lock() {
             s.insert(origin);
         }
@@ -1224,8 +1349,11 @@ impl DeadLetters<'_> {
         &self,
         m: &rdkafka::message::OwnedMessage,
         f: &Failure,
+        (attempts, first_ms): (u32, i64),
     ) -> Result<(), MaterializeError> {
         let now = crate::connector::now_ms().to_string();
+        let (attempts, first) = (attempts.to_string(), first_ms.to_string());
+        let replay_of = self.replay_of.map(|id| id.to_string());
         let partition = m.partition().to_string();
         let offset = m.offset().to_string();
         let position = f
@@ -1251,10 +1379,13 @@ impl DeadLetters<'_> {
             ("pgcdc.origin.partition", partition.as_str()),
             ("pgcdc.origin.offset", offset.as_str()),
             ("pgcdc.position", position.as_str()),
-            ("pgcdc.attempts", "1"),
-            ("pgcdc.first_failure_ms", now.as_str()),
+            ("pgcdc.attempts", attempts.as_str()),
+            ("pgcdc.first_failure_ms", first.as_str()),
             ("pgcdc.last_failure_ms", now.as_str()),
-        ] {
+        ]
+        .into_iter()
+        .chain(replay_of.as_deref().map(|id| ("pgcdc.replay_of", id)))
+        {
             headers = headers.insert(Header {
                 key,
                 value: Some(value),

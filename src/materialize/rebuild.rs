@@ -322,11 +322,13 @@ pub async fn run(
             "rebuild",
         )
         .map_err(RebuildError::Failed)?,
+        mapping: None,
     };
     let dead_letters = DeadLetters {
         producer: None,
         topic: "",
         sent: Default::default(),
+        replay_of: None,
     };
 
     let consumer: StreamConsumer = sink::client_config(&config.kafka)

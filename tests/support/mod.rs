@@ -828,3 +828,12 @@ pub fn field<'a>(v: &'a apache_avro::types::Value, name: &str) -> &'a apache_avr
         other => other,
     }
 }
+
+/// The time `ahead` from now, as RFC 3339 UTC.
+pub fn rfc3339_in(ahead: std::time::Duration) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        + ahead;
+    pgcdc::retention::time::rfc3339(now.as_millis() as i64)
+}
