@@ -351,6 +351,10 @@ fn default_snapshot_workers() -> usize {
 fn default_snapshot_chunk_rows() -> u64 {
     DEFAULT_SNAPSHOT_CHUNK_ROWS
 }
+/// librdkafka's own default `message.max.bytes`.
+fn default_max_message_bytes() -> usize {
+    1_000_000
+}
 fn default_partitions() -> i32 {
     DEFAULT_PARTITIONS
 }
@@ -387,6 +391,12 @@ pub struct KafkaConfig {
     /// many milliseconds share one Kafka transaction.
     #[serde(default = "default_transaction_interval_ms")]
     pub transaction_interval_ms: u64,
+    /// The largest record (key and value) the broker takes; a changelog
+    /// event over it is quarantined as `oversized` (in parts) instead of
+    /// stopping the connector. Keep it at or below the topics'
+    /// `max.message.bytes`.
+    #[serde(default = "default_max_message_bytes")]
+    pub max_message_bytes: usize,
     /// Passed through to librdkafka (SASL, SSL, compression, ...).
     #[serde(default)]
     pub properties: Properties,
@@ -726,6 +736,11 @@ impl Config {
             (1..=60_000).contains(&k.transaction_interval_ms),
             "kafka.transaction_interval_ms",
             "must be between 1 and 60000",
+        );
+        v.check(
+            (16_384..=1_000_000_000).contains(&k.max_message_bytes),
+            "kafka.max_message_bytes",
+            "must be between 16384 and 1000000000",
         );
         v.check(
             k.replication_factor >= 1,

@@ -62,6 +62,8 @@ pub const SLOT_RETAINED_WAL_BYTES: &str = "pgcdc_slot_retained_wal_bytes";
 pub const SLOT_SAFE_WAL_SIZE_BYTES: &str = "pgcdc_slot_safe_wal_size_bytes";
 /// Retention checks that failed (Kafka or Postgres unreachable).
 pub const RETENTION_CHECK_ERRORS: &str = "pgcdc_retention_check_errors_total";
+/// Changes the connector quarantined, by class.
+pub const CONNECTOR_QUARANTINED: &str = "pgcdc_connector_quarantined_total";
 /// Dead letters by state and class.
 pub const DLQ_DEPTH: &str = "pgcdc_dlq_depth";
 /// Seconds the oldest open dead letter has waited.
@@ -165,6 +167,10 @@ fn describe() {
         "WAL that can be written before the slot is at risk of invalidation"
     );
     metrics::describe_counter!(RETENTION_CHECK_ERRORS, "Retention checks that failed");
+    metrics::describe_counter!(
+        CONNECTOR_QUARANTINED,
+        "Changes the connector sent to the dead-letter topic, by class"
+    );
     metrics::describe_gauge!(DLQ_DEPTH, "Dead letters by state and class");
     metrics::describe_gauge!(
         DLQ_OLDEST_AGE,

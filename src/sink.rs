@@ -88,6 +88,14 @@ impl Producer {
         if !kafka.properties.0.contains_key("linger.ms") {
             cc.set("linger.ms", "5");
         }
+        // Room for a record of max_message_bytes and its headers; larger
+        // ones are quarantined before they reach librdkafka.
+        if !kafka.properties.0.contains_key("message.max.bytes") {
+            cc.set(
+                "message.max.bytes",
+                (kafka.max_message_bytes + 64 * 1024).to_string(),
+            );
+        }
         // librdkafka would buffer up to 1 GiB by default; beyond this bound
         // sends wait, which slows reading from the slot instead.
         if !kafka
@@ -136,6 +144,13 @@ impl Producer {
         key: Option<&[u8]>,
         payload: Option<&[u8]>,
     ) -> Result<DeliveryFuture, KafkaError> {
+        self.begin()?;
+        send(&self.inner, topic, key, payload, None).await
+    }
+
+    /// Opens a Kafka transaction if the producer is transactional and
+    /// none is open.
+    fn begin(&self) -> Result<(), KafkaError> {
         if let Some(open) = &self.open {
             let mut open = open.lock().unwrap_or_else(|e| e.into_inner());
             if !*open {
@@ -143,10 +158,11 @@ impl Producer {
                 *open = true;
             }
         }
-        send(&self.inner, topic, key, payload, None).await
+        Ok(())
     }
 
-    /// [`Producer::send`] with record headers (not transactional).
+    /// [`Producer::send`] with record headers (inside the open Kafka
+    /// transaction when transactional).
     pub async fn send_with_headers(
         &self,
         topic: &str,
@@ -154,6 +170,7 @@ impl Producer {
         payload: Option<&[u8]>,
         headers: OwnedHeaders,
     ) -> Result<DeliveryFuture, KafkaError> {
+        self.begin()?;
         send(&self.inner, topic, key, payload, Some(headers)).await
     }
 

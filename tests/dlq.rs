@@ -87,6 +87,56 @@ fn pipeline(stack: &Stack, source: &TestDb, target: &TestDb, dlq: &str) -> Strin
     )
 }
 
+/// A source database with `schema` applied, and an empty target.
+async fn databases(
+    stack: &Stack,
+    prefix: &str,
+    schema: &str,
+) -> (TestDb, TestDb, tokio_postgres::Client) {
+    let source_db = TestDb::create(stack, &format!("{prefix}_src")).await;
+    let target_db = TestDb::create(stack, &format!("{prefix}_tgt")).await;
+    let source = source_db.client().await;
+    source.batch_execute(schema).await.expect("schema");
+    (source_db, target_db, source)
+}
+
+/// Stops the materializer (still running, it must exit 0) and the
+/// connector, then drops both databases.
+async fn finish(
+    materializer: Option<tokio::process::Child>,
+    connector: ConnectorProcess,
+    source_db: TestDb,
+    target_db: TestDb,
+) {
+    if let Some(mut m) = materializer {
+        assert!(
+            m.try_wait().expect("status").is_none(),
+            "the materializer exited"
+        );
+        assert_eq!(terminate(m).await, Some(0));
+    }
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+/// A pipeline of one table with a target and no read model; `kafka`
+/// adds lines to `[kafka]`.
+fn single_table(
+    stack: &Stack,
+    source: &TestDb,
+    target: &TestDb,
+    table: &str,
+    kafka: &str,
+) -> ConfigFile {
+    let toml = support::pipeline_toml(stack, &source.url, &source.name, &[table])
+        .replace("[kafka]\n", &format!("[kafka]\n{kafka}"));
+    ConfigFile::write(&format!(
+        "{toml}[target]\nurl = \"{}\"\n[dlq]\ncheck_interval_secs = 0\n",
+        target.url
+    ))
+}
+
 /// Refuses new connections to the target database and ends the open ones.
 async fn target_down(stack: &Stack, db: &TestDb) {
     let admin = support::connect(&stack.admin_url).await;
@@ -194,10 +244,7 @@ async fn dead_letters(stack: &Stack, topic: &str, n: usize) -> Vec<support::Reco
 #[tokio::test]
 async fn the_worked_example_replays_185_finds_12_applied_and_archives_3() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "dlq_ex_src").await;
-    let target_db = TestDb::create(&stack, "dlq_ex_tgt").await;
-    let source = source_db.client().await;
-    source.batch_execute(ITEMS).await.expect("schema");
+    let (source_db, target_db, source) = databases(&stack, "dlq_ex", ITEMS).await;
     let config = ConfigFile::write(&pipeline(
         &stack,
         &source_db,
@@ -419,10 +466,7 @@ async fn the_worked_example_replays_185_finds_12_applied_and_archives_3() {
     );
     assert!(shown["audit"][1]["actor"] == "alice");
 
-    assert_eq!(terminate(m).await, Some(0));
-    assert_eq!(connector.terminate().await, 0);
-    source_db.drop_db().await;
-    target_db.drop_db().await;
+    finish(Some(m), connector, source_db, target_db).await;
 }
 
 /// Runs `pgcdc dlq ACTION` with the config and more arguments.
@@ -459,10 +503,7 @@ async fn wait_for(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> b
 #[tokio::test]
 async fn poison_messages_are_classified_the_partition_flows_and_every_transition_is_checked() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "dlq_poison_src").await;
-    let target_db = TestDb::create(&stack, "dlq_poison_tgt").await;
-    let source = source_db.client().await;
-    source.batch_execute(ITEMS).await.expect("schema");
+    let (source_db, target_db, source) = databases(&stack, "dlq_poison", ITEMS).await;
     let config = ConfigFile::write(&pipeline(
         &stack,
         &source_db,
@@ -470,7 +511,7 @@ async fn poison_messages_are_classified_the_partition_flows_and_every_transition
         "max_attempts = 3\ncheck_interval_secs = 0",
     ));
     let connector = ConnectorProcess::start(&config);
-    let mut m = materializer(&config, &[], &[]);
+    let m = materializer(&config, &[], &[]);
     wait_equal(&source, &target_db.url).await;
     let topic = format!("{}.public.items", source_db.name);
     let good = support::read_topic(&stack, &topic, 20, Duration::from_secs(60)).await[0]
@@ -756,23 +797,13 @@ async fn poison_messages_are_classified_the_partition_flows_and_every_transition
     let run = dlq_cmd(&config, "stats", &["--at", &later, "--check"]).await;
     assert_eq!(run.code, 2, "{}", run.all_output());
 
-    assert!(
-        m.try_wait().expect("status").is_none(),
-        "the materializer exited"
-    );
-    assert_eq!(terminate(m).await, Some(0));
-    assert_eq!(connector.terminate().await, 0);
-    source_db.drop_db().await;
-    target_db.drop_db().await;
+    finish(Some(m), connector, source_db, target_db).await;
 }
 
 #[tokio::test]
 async fn an_auto_replay_policy_keeps_to_its_class_and_window_and_still_checks() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "dlq_auto_src").await;
-    let target_db = TestDb::create(&stack, "dlq_auto_tgt").await;
-    let source = source_db.client().await;
-    source.batch_execute(ITEMS).await.expect("schema");
+    let (source_db, target_db, source) = databases(&stack, "dlq_auto", ITEMS).await;
     let base = pipeline(
         &stack,
         &source_db,
@@ -782,7 +813,7 @@ async fn an_auto_replay_policy_keeps_to_its_class_and_window_and_still_checks() 
     let config = ConfigFile::write(&base);
     let connector = ConnectorProcess::start(&config);
     let addr = format!("127.0.0.1:{}", support::free_port());
-    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    let m = materializer(&config, &["--metrics-addr", &addr], &[]);
     wait_equal(&source, &target_db.url).await;
     let dlq = format!("{}.dlq", source_db.name);
     let topic = format!("{}.public.items", source_db.name);
@@ -933,12 +964,156 @@ async fn an_auto_replay_policy_keeps_to_its_class_and_window_and_still_checks() 
     );
     assert!(run.stderr.contains("needs a window"), "{}", run.stderr);
 
-    assert!(
-        m.try_wait().expect("status").is_none(),
-        "the materializer exited"
+    finish(Some(m), connector, source_db, target_db).await;
+}
+
+#[tokio::test]
+async fn the_connector_quarantines_an_event_over_the_size_limit_in_parts_and_it_replays() {
+    let stack = support::stack();
+    let (source_db, target_db, source) = databases(
+        &stack,
+        "dlq_big",
+        "CREATE TABLE public.docs (id bigint PRIMARY KEY, body text NOT NULL);
+         INSERT INTO public.docs VALUES (1, 'small');",
+    )
+    .await;
+    let config = single_table(
+        &stack,
+        &source_db,
+        &target_db,
+        "public.docs",
+        "max_message_bytes = 20000\n",
     );
-    assert_eq!(terminate(m).await, Some(0));
-    assert_eq!(connector.terminate().await, 0);
-    source_db.drop_db().await;
-    target_db.drop_db().await;
+    let connector = ConnectorProcess::start(&config);
+    let m = materializer(&config, &[], &[]);
+    let has = |id: i64| {
+        let url = target_db.url.clone();
+        async move { mirror_has(&url, &format!("SELECT 1 FROM mirror.docs WHERE id = {id}")).await }
+    };
+    wait_for("doc 1", Duration::from_secs(120), async || has(1).await).await;
+    // 60 kB of text (md5s do not compress away) between two small rows.
+    source
+        .batch_execute(
+            "INSERT INTO public.docs SELECT 2, string_agg(md5(g::text), '') FROM generate_series(1, 1875) g;
+             INSERT INTO public.docs VALUES (3, 'after');",
+        )
+        .await
+        .expect("insert");
+    // The stream goes on past it.
+    wait_for("doc 3", Duration::from_secs(120), async || has(3).await).await;
+    assert!(!has(2).await);
+    let dlq = format!("{}.dlq", source_db.name);
+    let parts = support::read_topic_until(&stack, &dlq, Duration::from_secs(120), |r| {
+        r.first()
+            .and_then(|p| p.header("pgcdc.part"))
+            .and_then(|p| p.split_once('/'))
+            .and_then(|(_, n)| n.parse::<usize>().ok())
+            .is_some_and(|n| r.len() >= n)
+    })
+    .await;
+    assert!(parts.len() > 1, "not split: {} records", parts.len());
+    assert!(parts
+        .iter()
+        .all(|p| p.header("pgcdc.failure.class") == Some("oversized")));
+    assert!(parts
+        .iter()
+        .all(|p| p.value.as_ref().is_some_and(|v| v.len() < 20000)));
+    assert_eq!(
+        parts[0]
+            .header("pgcdc.part")
+            .map(|p| p.ends_with(&format!("/{}", parts.len()))),
+        Some(true)
+    );
+    assert!(parts[0]
+        .header("pgcdc.origin.lsn")
+        .is_some_and(|l| l.contains('/')));
+    // The store holds it whole, once.
+    let all = list(&config, &[]).await;
+    assert_eq!(all.len(), 1, "{all:?}");
+    assert_eq!(all[0]["class"], "oversized");
+    assert!(all[0]["origin_offset"].is_null() && all[0]["position"].is_array());
+    let id = all[0]["id"].as_i64().expect("id").to_string();
+    for action in ["review", "approve", "replay"] {
+        let run = dlq_cmd(&config, action, &[&id, "--actor", "carol"]).await;
+        assert_eq!(run.code, 0, "{action}: {}", run.all_output());
+        if action == "replay" {
+            assert!(
+                run.stdout.contains(
+                    "1 messages, 0 already applied, 0 archived (schema incompatible), 1 replayed"
+                ),
+                "{}",
+                run.stdout
+            );
+        }
+    }
+    let target = support::connect(&target_db.url).await;
+    let len: i32 = target
+        .query_one("SELECT length(body) FROM mirror.docs WHERE id = 2", &[])
+        .await
+        .expect("doc 2 replayed")
+        .get(0);
+    assert_eq!(len, 1875 * 32);
+    finish(Some(m), connector, source_db, target_db).await;
+}
+
+#[tokio::test]
+async fn the_connector_quarantines_a_value_it_cannot_encode_with_the_row_as_text() {
+    let stack = support::stack();
+    // Without a primary key under REPLICA IDENTITY FULL every column is
+    // the key, and a key cannot hold a NULL.
+    let (source_db, target_db, source) = databases(
+        &stack,
+        "dlq_enc",
+        "CREATE TABLE public.notes (a int, b text);
+         ALTER TABLE public.notes REPLICA IDENTITY FULL;",
+    )
+    .await;
+    let config = single_table(&stack, &source_db, &target_db, "public.notes", "");
+    let connector = ConnectorProcess::start(&config);
+    let slot = source_db.name.clone();
+    support::wait_streaming(&source, &slot).await;
+    source
+        .batch_execute("INSERT INTO public.notes VALUES (1, 'x'), (2, NULL), (3, 'y')")
+        .await
+        .expect("insert");
+    let topic = format!("{}.public.notes", source_db.name);
+    let events = support::read_topic(&stack, &topic, 2, Duration::from_secs(120)).await;
+    assert_eq!(events.len(), 2, "the rows around it are produced");
+    let dlq = format!("{}.dlq", source_db.name);
+    let dead = dead_letters(&stack, &dlq, 1).await;
+    let r = &dead[0];
+    assert_eq!(r.header("pgcdc.failure.class"), Some("unsupported_value"));
+    let error = r.header("pgcdc.failure.error").unwrap_or_default();
+    assert!(
+        error.contains("column b") && error.contains("NULL"),
+        "{error}"
+    );
+    assert!(!error.contains("'x'"), "no row values in the error");
+    assert!(r
+        .header("pgcdc.origin.lsn")
+        .is_some_and(|l| l.contains('/')));
+    let payload: Json = serde_json::from_slice(r.value.as_deref().expect("payload")).expect("json");
+    assert_eq!(payload["table"], "public.notes");
+    assert_eq!(payload["op"], "c");
+    assert_eq!(payload["after"]["values"]["a"], "2");
+    assert!(payload["after"]["values"]["b"].is_null());
+    // The slot moves past it: the quarantine was acknowledged.
+    let lsn = support::insert_lsn(&source).await;
+    source
+        .batch_execute("INSERT INTO public.notes VALUES (4, 'z')")
+        .await
+        .expect("insert");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !support::confirmed_reached(&source, &slot, &lsn).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot did not move past {lsn}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let all = list(&config, &[]).await;
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0]["source_table"], "public.notes");
+    assert!(all[0]["schema_id"].is_null(), "not Avro: the row as text");
+    finish(None, connector, source_db, target_db).await;
 }

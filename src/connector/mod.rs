@@ -10,6 +10,10 @@
 //!   At most [`MAX_IN_FLIGHT`] messages await acknowledgement; beyond that
 //!   reading from the slot pauses, while standby status updates keep
 //!   flowing.
+//! - **Quarantine, not stop, for the data's faults.** A value the encoder
+//!   cannot take or an event over `kafka.max_message_bytes` goes to the
+//!   dead-letter topic with its position and LSN (split into parts when
+//!   large); its acknowledgement gates the confirmed LSN like an event's.
 //! - **Schema first.** A new table shape is registered with the registry
 //!   before any event with it is produced; a refused schema stops the
 //!   connector with the table named, and nothing is produced with it.
@@ -33,6 +37,8 @@ use pgwire_replication::{Lsn as WireLsn, ReplicationClient, ReplicationConfig, R
 use tokio_postgres::Client;
 
 use crate::config::{split_table, Config, SnapshotMode};
+use crate::dlq::record::{split, Part, Quarantine};
+use crate::dlq::{classify, Class, Fault, Verdict};
 use crate::encode::types::{Input, SESSION_SETTINGS};
 use crate::encode::{
     ColumnDesc, EncodeError, Op, Position, SourceInfo, TableCodec, TableDesc, TransactionCodec,
@@ -183,7 +189,10 @@ impl Output {
         self.acks.delivery(f).await.map_err(RunError::Delivery)
     }
 
-    /// Produces one event (and its tombstone after a delete).
+    /// Produces one event (and its tombstone after a delete). A value the
+    /// encoder cannot take, or an event over `kafka.max_message_bytes`, is
+    /// quarantined in the dead-letter topic instead, with its position
+    /// and LSN; its delivery gates the confirmed LSN like any event's.
     async fn emit(
         &self,
         codec: &TableCodec,
@@ -193,20 +202,47 @@ impl Output {
         src: &SourceInfo<'_>,
     ) -> Result<(), RunError> {
         let table = codec.desc.qualified();
+        let topic = self.config.topic_for(&table);
         let encode_err = |source| RunError::Encode {
             table: table.clone(),
             lsn: Lsn(src.lsn),
             source,
         };
         let key_image = after.or(before);
-        let key = match key_image {
-            Some(row) if codec.has_key() => Some(codec.encode_key(row).map_err(encode_err)?),
-            _ => None,
+        let encoded = (|| {
+            let key = match key_image {
+                Some(row) if codec.has_key() => Some(codec.encode_key(row)?),
+                _ => None,
+            };
+            Ok::<_, EncodeError>((key, codec.encode_value(op, before, after, src)?))
+        })();
+        let (key, value) = match encoded {
+            Ok(kv) => kv,
+            // A value: the data's fault, so it is quarantined.
+            Err(e @ EncodeError::Column { .. }) => {
+                let class = match classify(&Fault::Encode) {
+                    Verdict::Quarantine(c) => c,
+                    _ => return Err(encode_err(e)),
+                };
+                let payload = unencodable_payload(codec, op, before, after, src);
+                return self
+                    .quarantine(&topic, class, &e.to_string(), None, &payload, src)
+                    .await;
+            }
+            Err(e) => return Err(encode_err(e)),
         };
-        let value = codec
-            .encode_value(op, before, after, src)
-            .map_err(encode_err)?;
-        let topic = self.config.topic_for(&table);
+        let size = value.len() + key.as_ref().map_or(0, Vec::len);
+        if size > self.config.kafka.max_message_bytes {
+            if let Verdict::Quarantine(class) = classify(&Fault::TooLarge) {
+                let error = format!(
+                    "{size} bytes, over kafka.max_message_bytes ({})",
+                    self.config.kafka.max_message_bytes
+                );
+                return self
+                    .quarantine(&topic, class, &error, key.as_deref(), &value, src)
+                    .await;
+            }
+        }
         metrics::counter!(observe::EVENTS, "table" => table.clone(), "op" => op.code())
             .increment(1);
         metrics::counter!(observe::EVENT_BYTES, "table" => table.clone())
@@ -222,6 +258,101 @@ impl Output {
         }
         Ok(())
     }
+
+    /// Writes a change that cannot go to its topic to the dead-letter
+    /// topic (in parts when it is too large for one record).
+    async fn quarantine(
+        &self,
+        topic: &str,
+        class: Class,
+        error: &str,
+        key: Option<&[u8]>,
+        value: &[u8],
+        src: &SourceInfo<'_>,
+    ) -> Result<(), RunError> {
+        let now = now_ms();
+        let q = Quarantine {
+            class: class.as_str(),
+            error,
+            origin_topic: topic,
+            origin: None,
+            position: Some((src.position.commit_lsn as i64, src.position.seq as i64)),
+            lsn: Some(src.lsn),
+            attempts: 1,
+            first_failure_ms: now,
+            last_failure_ms: now,
+            replay_of: None,
+        };
+        tracing::error!(%topic, lsn = %Lsn(src.lsn), class = class.as_str(), %error,
+            "change quarantined in the dead-letter topic (pgcdc dlq list)");
+        metrics::counter!(observe::CONNECTOR_QUARANTINED, "class" => class.as_str()).increment(1);
+        let dlq = crate::materialize::dlq_topic(&self.config);
+        // Created when first needed (quarantines are rare).
+        sink::ensure_dlq_topic(&self.config.kafka, &dlq).await?;
+        let parts = split(
+            value,
+            key.map_or(0, <[u8]>::len),
+            self.config.kafka.max_message_bytes,
+        );
+        let id = format!("{topic}@{}:{}", src.position.commit_lsn, src.position.seq);
+        let count = parts.len();
+        for (i, part) in parts.into_iter().enumerate() {
+            let headers = q.headers((count > 1).then_some(Part {
+                index: i + 1,
+                count,
+                id: &id,
+            }));
+            let f = self
+                .producer
+                .send_with_headers(&dlq, key, Some(part), headers)
+                .await?;
+            self.acks.delivery(f).await.map_err(RunError::Delivery)?;
+        }
+        Ok(())
+    }
+}
+
+/// What the connector keeps of a change it cannot encode: the row images
+/// as Postgres text, as JSON (`unchanged` lists unchanged TOAST columns).
+fn unencodable_payload(
+    codec: &TableCodec,
+    op: Op,
+    before: Option<&[Input<'_>]>,
+    after: Option<&[Input<'_>]>,
+    src: &SourceInfo<'_>,
+) -> Vec<u8> {
+    let image = |row: Option<&[Input<'_>]>| {
+        row.map(|row| {
+            let mut values = serde_json::Map::new();
+            let mut unchanged = Vec::new();
+            for (c, v) in codec.desc.columns.iter().zip(row) {
+                match v {
+                    Input::Null => {
+                        values.insert(c.name.clone(), serde_json::Value::Null);
+                    }
+                    Input::Unchanged => unchanged.push(c.name.clone()),
+                    Input::Text(t) => {
+                        values.insert(
+                            c.name.clone(),
+                            String::from_utf8_lossy(t).into_owned().into(),
+                        );
+                    }
+                }
+            }
+            serde_json::json!({"values": values, "unchanged": unchanged})
+        })
+    };
+    serde_json::json!({
+        "table": codec.desc.qualified(),
+        "op": op.code(),
+        "commit_lsn": src.position.commit_lsn,
+        "seq": src.position.seq,
+        "lsn": Lsn(src.lsn).to_string(),
+        "before": image(before),
+        "after": image(after),
+    })
+    .to_string()
+    .into_bytes()
 }
 
 fn inputs(values: &[Datum]) -> Vec<Input<'_>> {

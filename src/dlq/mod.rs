@@ -23,6 +23,7 @@
 pub mod class;
 pub mod health;
 pub mod policy;
+pub mod record;
 pub mod state;
 pub mod store;
 
@@ -471,7 +472,14 @@ pub async fn keep(config: std::sync::Arc<Config>) {
     loop {
         tokio::time::sleep(every).await;
         if replayer.is_none() {
-            match Replayer::open(&config).await {
+            let opened = match Replayer::open(&config).await {
+                Ok(mut r) => store::ensure(&*r.db())
+                    .await
+                    .map(|()| r)
+                    .map_err(DlqError::from),
+                Err(e) => Err(e.into()),
+            };
+            match opened {
                 Ok(r) => replayer = Some(r),
                 Err(e) => {
                     tracing::warn!(error = %e, "dead-letter round skipped: cannot open the target");
@@ -493,7 +501,6 @@ pub async fn keep(config: std::sync::Arc<Config>) {
 }
 
 async fn round(config: &Config, r: &mut Replayer) -> Result<(), DlqError> {
-    store::ensure(&*r.db()).await?;
     store::sync(config, r.db()).await?;
     let now = crate::connector::now_ms();
     if !config.dlq.policies.is_empty() {

@@ -75,6 +75,14 @@ CREATE TABLE IF NOT EXISTS pgcdc_dlq.audit (
     at timestamptz NOT NULL DEFAULT clock_timestamp()
 );
 CREATE INDEX IF NOT EXISTS audit_message ON pgcdc_dlq.audit (message_id);
+-- Parts of a record split for the broker's size limit, until all arrived.
+CREATE TABLE IF NOT EXISTS pgcdc_dlq.parts (
+    part_id text NOT NULL,
+    index int NOT NULL,
+    count int NOT NULL,
+    bytes bytea NOT NULL,
+    PRIMARY KEY (part_id, index)
+);
 CREATE TABLE IF NOT EXISTS pgcdc_dlq.ingest (
     topic text NOT NULL,
     partition int NOT NULL,
@@ -495,6 +503,37 @@ async fn record(
 ) -> Result<u64, StoreError> {
     let h = |name: &str| r.headers.get(name).map(String::as_str);
     let num = |name: &str| h(name).and_then(|v| v.parse::<i64>().ok());
+    // A part of a split record: kept until the last one arrives, which
+    // then stands for the whole.
+    let mut whole: Option<Vec<u8>> = None;
+    if let (Some(part), Some(id)) = (h("pgcdc.part"), h("pgcdc.part.id")) {
+        let Some((index, count)) = part
+            .split_once('/')
+            .and_then(|(i, n)| Some((i.parse::<i32>().ok()?, n.parse::<i32>().ok()?)))
+        else {
+            return Ok(0);
+        };
+        tx.execute(
+            "INSERT INTO pgcdc_dlq.parts (part_id, index, count, bytes) VALUES ($1, $2, $3, $4)
+             ON CONFLICT DO NOTHING",
+            &[&id, &index, &count, &r.value.as_deref().unwrap_or_default()],
+        )
+        .await?;
+        let row = tx
+            .query_one(
+                "SELECT count(*)::int, string_agg(bytes, ''::bytea ORDER BY index)
+                 FROM pgcdc_dlq.parts WHERE part_id = $1",
+                &[&id],
+            )
+            .await?;
+        if row.get::<_, i32>(0) < count {
+            return Ok(0);
+        }
+        whole = row.get(1);
+        tx.execute("DELETE FROM pgcdc_dlq.parts WHERE part_id = $1", &[&id])
+            .await?;
+    }
+    let value = whole.or_else(|| r.value.clone());
     let (class, error) = match h("pgcdc.failure.class").and_then(Class::parse) {
         Some(c) => (c, h("pgcdc.failure.error").unwrap_or_default().to_string()),
         // Written by something else: keep it, and say so.
@@ -523,8 +562,7 @@ async fn record(
         .iter()
         .find(|t| config.topic_for(t) == origin_topic)
         .cloned();
-    let schema_id = r
-        .value
+    let schema_id = value
         .as_deref()
         .and_then(crate::encode::unframe)
         .map(|(id, _)| i64::from(id));
@@ -546,7 +584,7 @@ async fn record(
         &position.map(|p| p.1),
         &source_table,
         &r.key,
-        &r.value,
+        &value,
         &schema_id,
         &attempts,
         &first,

@@ -57,7 +57,6 @@ use apache_avro::types::Value;
 use apache_avro::Schema;
 use futures_util::{pin_mut, TryStreamExt};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::Value as Json;
 use tokio_postgres::{Client, GenericClient};
@@ -1351,15 +1350,6 @@ impl DeadLetters<'_> {
         f: &Failure,
         (attempts, first_ms): (u32, i64),
     ) -> Result<(), MaterializeError> {
-        let now = crate::connector::now_ms().to_string();
-        let (attempts, first) = (attempts.to_string(), first_ms.to_string());
-        let replay_of = self.replay_of.map(|id| id.to_string());
-        let partition = m.partition().to_string();
-        let offset = m.offset().to_string();
-        let position = f
-            .position
-            .map(|(c, s)| format!("{c}:{s}"))
-            .unwrap_or_default();
         let Some(producer) = self.producer else {
             tracing::info!(
                 topic = m.topic(),
@@ -1371,26 +1361,20 @@ impl DeadLetters<'_> {
             return Ok(());
         };
         tracing::warn!(topic = m.topic(), partition = m.partition(), offset = m.offset(), class = f.class, error = %f.error, "change dead-lettered");
-        let mut headers = OwnedHeaders::new();
-        for (key, value) in [
-            ("pgcdc.failure.class", f.class),
-            ("pgcdc.failure.error", f.error.as_str()),
-            ("pgcdc.origin.topic", m.topic()),
-            ("pgcdc.origin.partition", partition.as_str()),
-            ("pgcdc.origin.offset", offset.as_str()),
-            ("pgcdc.position", position.as_str()),
-            ("pgcdc.attempts", attempts.as_str()),
-            ("pgcdc.first_failure_ms", first.as_str()),
-            ("pgcdc.last_failure_ms", now.as_str()),
-        ]
-        .into_iter()
-        .chain(replay_of.as_deref().map(|id| ("pgcdc.replay_of", id)))
-        {
-            headers = headers.insert(Header {
-                key,
-                value: Some(value),
-            });
+        let headers = crate::dlq::record::Quarantine {
+            class: f.class,
+            error: &f.error,
+            origin_topic: m.topic(),
+            // A replayed connector quarantine never had an offset.
+            origin: (m.offset() >= 0).then_some((m.partition(), m.offset())),
+            position: f.position,
+            lsn: None,
+            attempts,
+            first_failure_ms: first_ms,
+            last_failure_ms: crate::connector::now_ms(),
+            replay_of: self.replay_of,
         }
+        .headers(None);
         let f = producer
             .send_with_headers(self.topic, m.key(), m.payload(), headers)
             .await?;
