@@ -1117,3 +1117,175 @@ async fn the_connector_quarantines_a_value_it_cannot_encode_with_the_row_as_text
     assert!(all[0]["schema_id"].is_null(), "not Avro: the row as text");
     finish(None, connector, source_db, target_db).await;
 }
+
+#[tokio::test]
+async fn a_value_refused_because_the_writer_type_changed_is_schema_incompatible() {
+    let stack = support::stack();
+    let (source_db, target_db, source) = databases(&stack, "dlq_type", ITEMS).await;
+    let config = ConfigFile::write(&pipeline(
+        &stack,
+        &source_db,
+        &target_db,
+        "check_interval_secs = 0",
+    ));
+    let connector = ConnectorProcess::start(&config);
+    let m = materializer(&config, &[], &[]);
+    wait_equal(&source, &target_db.url).await;
+    let topic = format!("{}.public.items", source_db.name);
+    set_compatibility(&stack, &format!("{topic}-value"), "NONE").await;
+    // qty becomes text in the source; the mirror's column stays bigint.
+    source
+        .batch_execute(
+            "ALTER TABLE public.items ALTER COLUMN qty TYPE text;
+             UPDATE public.items SET qty = '12' WHERE id = 1;
+             UPDATE public.items SET qty = 'twelve' WHERE id = 2;",
+        )
+        .await
+        .expect("changes");
+    let dlq = format!("{}.dlq", source_db.name);
+    let dead = dead_letters(&stack, &dlq, 1).await;
+    assert_eq!(
+        dead[0].header("pgcdc.failure.class"),
+        Some("schema_incompatible"),
+        "{:?}",
+        dead[0].headers
+    );
+    let error = dead[0].header("pgcdc.failure.error").unwrap_or_default();
+    assert!(error.contains("has text, the mirror bigint"), "{error}");
+    // A value the mirror can take still applies.
+    wait_for("qty 12", Duration::from_secs(60), async || {
+        mirror_has(
+            &target_db.url,
+            "SELECT 1 FROM mirror.items WHERE id = 1 AND qty = 12",
+        )
+        .await
+    })
+    .await;
+    finish(Some(m), connector, source_db, target_db).await;
+}
+
+#[tokio::test]
+async fn a_safe_mapping_transforms_what_the_reader_could_not_read_and_without_it_is_archived() {
+    let stack = support::stack();
+    let (source_db, target_db, source) = databases(&stack, "dlq_map", ITEMS).await;
+    let base = pipeline(
+        &stack,
+        &source_db,
+        &target_db,
+        "max_attempts = 2\ncheck_interval_secs = 0",
+    );
+    let config = ConfigFile::write(&base);
+    let connector = ConnectorProcess::start(&config);
+    let m = materializer(&config, &[], &[]);
+    wait_equal(&source, &target_db.url).await;
+    target_down(&stack, &target_db).await;
+    source
+        .batch_execute("UPDATE public.items SET qty = 500 WHERE id IN (1, 2)")
+        .await
+        .expect("update");
+    let dlq = format!("{}.dlq", source_db.name);
+    dead_letters(&stack, &dlq, 2).await;
+    target_up(&stack, &target_db).await;
+
+    // The reader moves on: another producer's version of the subject
+    // requires `region`, which the quarantined records' writer lacks.
+    let subject = format!("{}.public.items-value", source_db.name);
+    set_compatibility(&stack, &subject, "NONE").await;
+    let http = reqwest::Client::new();
+    let latest: Json = http
+        .get(format!(
+            "{}/subjects/{subject}/versions/latest",
+            stack.registry_url
+        ))
+        .send()
+        .await
+        .expect("registry")
+        .json()
+        .await
+        .expect("json");
+    let mut schema: Json =
+        serde_json::from_str(latest["schema"].as_str().expect("schema")).expect("schema json");
+    for f in schema["fields"].as_array_mut().expect("fields") {
+        if f["name"] == "before" {
+            let row = f["type"]
+                .as_array_mut()
+                .and_then(|b| b.iter_mut().find(|b| b["type"] == "record"))
+                .expect("row record");
+            row["fields"]
+                .as_array_mut()
+                .expect("row fields")
+                .push(serde_json::json!({"name": "region", "type": "string"}));
+        }
+    }
+    let r = http
+        .post(format!(
+            "{}/subjects/{subject}/versions",
+            stack.registry_url
+        ))
+        .header("Content-Type", "application/vnd.schemaregistry.v1+json")
+        .body(serde_json::json!({"schema": schema.to_string()}).to_string())
+        .send()
+        .await
+        .expect("register");
+    assert!(r.status().is_success(), "register: {}", r.status());
+
+    let all = list(&config, &[]).await;
+    let [first, second] = ids(&all)[..] else {
+        panic!("{all:?}")
+    };
+    let (first, second) = (first.to_string(), second.to_string());
+    for action in ["review", "approve"] {
+        let run = dlq_cmd(&config, action, &["--all", "--actor", "dana"]).await;
+        assert_eq!(run.code, 0, "{}", run.all_output());
+    }
+    // No mapping: archived with the reason.
+    let run = dlq_cmd(&config, "replay", &[&first, "--actor", "dana"]).await;
+    assert!(
+        run.stdout.contains("1 archived (schema incompatible)"),
+        "{}",
+        run.stdout
+    );
+    let shown = show(&config, first.parse().expect("id")).await;
+    let reason = shown["message"]["archived_reason"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        reason.contains("region") && reason.contains("no safe mapping"),
+        "{reason}"
+    );
+    // With a default for the new column: transformed and replayed.
+    let mapped = ConfigFile::write(&format!(
+        "{base}\n[dlq.mappings.\"public.items\"]\ndefaults = {{ region = \"eu\" }}\n"
+    ));
+    let run = dlq_cmd(&mapped, "replay", &[&second, "--actor", "dana"]).await;
+    assert!(run.stdout.contains("1 replayed"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("transformed by dlq.mappings"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        mirror_has(
+            &target_db.url,
+            "SELECT 1 FROM mirror.items WHERE id = 2 AND qty = 500 AND region = 'eu'"
+        )
+        .await
+    );
+    assert!(
+        mirror_has(
+            &target_db.url,
+            "SELECT 1 FROM mirror.items WHERE id = 1 AND qty = 1"
+        )
+        .await,
+        "the archived one was applied"
+    );
+    let shown = show(&config, second.parse().expect("id")).await;
+    assert!(
+        shown["message"]["note"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("region defaulted"),
+        "{shown}"
+    );
+    finish(Some(m), connector, source_db, target_db).await;
+}

@@ -168,6 +168,9 @@ struct Change {
     key: Vec<String>,
     /// The key in the fast dedup tier ([`Mirror::cache_key`]).
     cache_key: String,
+    /// A column whose writer type the mirror's type may not take: a value
+    /// the target refuses is then the schema's fault, not the value's.
+    mismatch: Option<String>,
 }
 
 struct State {
@@ -333,6 +336,25 @@ impl State {
                 .map(|(from, _)| from.clone())
                 .unwrap_or_else(|| column.to_string())
         };
+        // Types the mirror may not take (its columns only ever widen).
+        let mismatch = mirror.columns.iter().find_map(|c| {
+            let ty = field_schema(&writer_name(&c.name));
+            if ty.is_null() {
+                return None;
+            }
+            let writer = shape::sql_type(&ty, &w.names);
+            (!shape::takes(&c.sql_type, &writer)).then(|| {
+                format!(
+                    "{}.{}: writer schema {id} has {writer}, the mirror {}",
+                    mirror.source, c.name, c.sql_type
+                )
+            })
+        });
+        let value_class = if mismatch.is_some() {
+            classify_reader_mismatch()
+        } else {
+            quarantine_class(Fault::Value)
+        };
         let cells_of = |image: &Value| -> Result<Vec<Cell>, Failure> {
             let Value::Record(row) = image else {
                 return Err(bad("row image is not a record".into()));
@@ -345,7 +367,7 @@ impl State {
                     match row.iter().find(|(n, _)| *n == name) {
                         Some((_, v)) => {
                             shape::cell(v, &field_schema(&name), &w.names).map_err(|e| Failure {
-                                class: quarantine_class(Fault::Value),
+                                class: value_class,
                                 error: format!("{}.{}: {e}", mirror.source, c.name),
                                 position: Some(position),
                             })
@@ -393,6 +415,7 @@ impl State {
             cells,
             cache_key: mirror.cache_key(&key),
             key,
+            mismatch,
         })
     }
 }
@@ -903,6 +926,10 @@ fn is_data_error(e: &tokio_postgres::Error) -> Option<&'static str> {
     }
 }
 
+fn classify_reader_mismatch() -> &'static str {
+    quarantine_class(Fault::ReaderMismatch)
+}
+
 /// The class of a fault that always quarantines.
 fn quarantine_class(fault: Fault<'_>) -> &'static str {
     match classify(&fault) {
@@ -1254,11 +1281,21 @@ async fn apply_in(
                 Some(_) if !careful => return Err(MaterializeError::Rejected),
                 Some(class) => {
                     tx.batch_execute("ROLLBACK TO SAVEPOINT change").await?;
+                    let mut error = crate::source::error_text(&e);
+                    // A value refused where the writer's type is not the
+                    // mirror's: the schema changed under the mirror.
+                    let class = match &change.mismatch {
+                        Some(m) if class == quarantine_class(Fault::Value) => {
+                            error = format!("{error} ({m})");
+                            classify_reader_mismatch()
+                        }
+                        _ => class,
+                    };
                     dead.push((
                         *i,
                         Failure {
                             class,
-                            error: crate::source::error_text(&e),
+                            error,
                             position: Some(change.position),
                         },
                     ));

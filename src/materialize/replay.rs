@@ -374,6 +374,12 @@ pub fn resolve(
     let Err(why) = plain else {
         return SchemaVerdict::Compatible;
     };
+    let fields = field_differences(writer, reader);
+    let why = if fields.is_empty() {
+        why
+    } else {
+        format!("{} ({why})", fields.join("; "))
+    };
     let head = format!(
         "writer schema {writer_id} cannot be read as {subject} (schema {reader_id}): {why}"
     );
@@ -404,6 +410,54 @@ pub fn resolve(
             "{head}; the mapping dlq.mappings.\"{table}\" does not make it readable ({e})"
         )),
     }
+}
+
+/// What differs between the writer's and the reader's row fields, in
+/// terms an operator can act on (Avro's own message names no field when a
+/// union branch is what fails).
+fn field_differences(writer: &str, reader: &str) -> Vec<String> {
+    let (Ok(mut w), Ok(mut r)) = (
+        serde_json::from_str::<Json>(writer),
+        serde_json::from_str::<Json>(reader),
+    ) else {
+        return Vec::new();
+    };
+    let label = |t: &Json| -> String {
+        let branch = match t {
+            Json::Array(b) => b
+                .iter()
+                .find(|b| *b != "null")
+                .cloned()
+                .unwrap_or(Json::Null),
+            other => other.clone(),
+        };
+        match &branch {
+            Json::String(s) => s.clone(),
+            other => other["logicalType"]
+                .as_str()
+                .or_else(|| other["type"].as_str())
+                .unwrap_or("?")
+                .to_string(),
+        }
+    };
+    let writer_fields: Vec<Json> = row_fields(&mut w).into_iter().map(|f| f.clone()).collect();
+    let mut out = Vec::new();
+    for rf in row_fields(&mut r) {
+        let name = rf["name"].as_str().unwrap_or_default();
+        match writer_fields.iter().find(|wf| wf["name"] == name) {
+            None if rf.get("default").is_none() => out.push(format!(
+                "field {name} is required by the reader and missing in the writer"
+            )),
+            None => {}
+            Some(wf) if wf["type"] != rf["type"] => out.push(format!(
+                "field {name} is {} in the writer, {} in the reader",
+                label(&wf["type"]),
+                label(&rf["type"])
+            )),
+            Some(_) => {}
+        }
+    }
+    out
 }
 
 /// The fields of the row record (the `before`/`after` record) of an
@@ -501,6 +555,10 @@ mod tests {
                     "{note}"
                 );
                 assert!(note.contains("no safe mapping"), "{note}");
+                assert!(
+                    note.contains("field qty is long in the writer, int in the reader"),
+                    "{note}"
+                );
             }
             other => panic!("{other:?}"),
         }

@@ -151,6 +151,23 @@ pub fn sql_type(schema: &Json, names: &HashMap<String, Json>) -> String {
     }
 }
 
+/// Whether a mirror column of type `mirror` takes every value of a writer
+/// column of type `writer`: the same type, text, or a widening.
+pub fn takes(mirror: &str, writer: &str) -> bool {
+    let numeric = |t: &str| t == "numeric" || t.starts_with("numeric(");
+    mirror == writer
+        || mirror == "text"
+        // Unconstrained numeric takes any number; numeric(p,s) only its own.
+        || (mirror == "numeric"
+            && (numeric(writer) || matches!(writer, "smallint" | "integer" | "bigint")))
+        || matches!(
+            (mirror, writer),
+            ("integer", "smallint")
+                | ("bigint", "smallint" | "integer")
+                | ("double precision", "real")
+        )
+}
+
 /// Renders one column value (a union per the column's schema).
 pub fn cell(v: &Value, schema: &Json, names: &HashMap<String, Json>) -> Result<Cell, String> {
     let (v, branch) = match (v, schema) {
@@ -296,6 +313,32 @@ fn timestamp_text(us: i64, zone: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_mirror_takes_its_own_type_text_and_widenings_only() {
+        for (mirror, writer) in [
+            ("bigint", "bigint"),
+            ("bigint", "integer"),
+            ("integer", "smallint"),
+            ("numeric", "numeric(12,4)"),
+            ("numeric", "bigint"),
+            ("double precision", "real"),
+            ("text", "jsonb"),
+            ("text", "bigint"),
+        ] {
+            assert!(takes(mirror, writer), "{mirror} ← {writer}");
+        }
+        for (mirror, writer) in [
+            ("integer", "bigint"),
+            ("numeric(10,2)", "numeric(12,4)"),
+            ("bigint", "text"),
+            ("uuid", "text"),
+            ("date", "timestamptz"),
+            ("real", "double precision"),
+        ] {
+            assert!(!takes(mirror, writer), "{mirror} ← {writer}");
+        }
+    }
     use serde_json::json;
 
     #[test]
