@@ -890,7 +890,14 @@ async fn dlq(action: DlqCommand) -> Result<u8, Failure> {
                 }
                 print!("{}", round.replayed.render());
             }
-            Ok(exit::OK)
+            for (id, why) in &round.failed {
+                eprintln!("error: message {id}: {why}");
+            }
+            Ok(if round.failed.is_empty() {
+                exit::OK
+            } else {
+                exit::FAILURE
+            })
         }
     }
 }

@@ -266,6 +266,34 @@ pub async fn ensure_dlq_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), Ka
     create_missing(&kafka, &[topic.to_string()], &[("retention.ms", "-1")]).await
 }
 
+/// Refuses a dead-letter topic that would lose quarantined messages: one
+/// created earlier with compaction (records of one key replace each
+/// other). A retention the broker reports is only warned about.
+pub async fn check_dlq_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), String> {
+    use rdkafka::admin::ResourceSpecifier;
+    let admin: AdminClient<DefaultClientContext> =
+        client_config(kafka).create().map_err(|e| e.to_string())?;
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let results = admin
+        .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
+        .await
+        .map_err(|e| format!("{topic}: describe configs: {e}"))?;
+    for resource in results.into_iter().flatten() {
+        let value = |k: &str| resource.get(k).and_then(|e| e.value.clone());
+        if let Some(policy) = value("cleanup.policy").filter(|p| p.contains("compact")) {
+            return Err(format!(
+                "{topic} has cleanup.policy={policy}: compaction would drop dead letters of one key; \
+                 set cleanup.policy=delete and retention.ms=-1 on it"
+            ));
+        }
+        if let Some(ms) = value("retention.ms").filter(|ms| ms != "-1") {
+            tracing::warn!(%topic, retention_ms = %ms,
+                "the dead-letter topic expires records; the store must record them first (pgcdc dlq, or the materializer's rounds)");
+        }
+    }
+    Ok(())
+}
+
 async fn create_missing(
     kafka: &KafkaConfig,
     topics: &[String],

@@ -1115,6 +1115,26 @@ async fn the_connector_quarantines_a_value_it_cannot_encode_with_the_row_as_text
     assert_eq!(all.len(), 1);
     assert_eq!(all[0]["source_table"], "public.notes");
     assert!(all[0]["schema_id"].is_null(), "not Avro: the row as text");
+    // A key change is a delete and a create at one position: both kept.
+    source
+        .batch_execute("UPDATE public.notes SET a = 20 WHERE a = 2")
+        .await
+        .expect("update");
+    let dead = dead_letters(&stack, &dlq, 3).await;
+    let ops: Vec<&str> = dead[1..]
+        .iter()
+        .map(|r| r.header("pgcdc.origin.op").unwrap_or_default())
+        .collect();
+    assert_eq!(ops, ["d", "c"]);
+    assert_eq!(
+        dead[1].header("pgcdc.position"),
+        dead[2].header("pgcdc.position")
+    );
+    assert_eq!(
+        list(&config, &[]).await.len(),
+        3,
+        "a quarantine was recorded over another"
+    );
     finish(None, connector, source_db, target_db).await;
 }
 
@@ -1288,4 +1308,28 @@ async fn a_safe_mapping_transforms_what_the_reader_could_not_read_and_without_it
         "{shown}"
     );
     finish(Some(m), connector, source_db, target_db).await;
+}
+
+#[tokio::test]
+async fn a_compacted_dead_letter_topic_is_refused() {
+    let stack = support::stack();
+    let (source_db, target_db, _source) = databases(&stack, "dlq_compact", ITEMS).await;
+    let config = single_table(&stack, &source_db, &target_db, "public.items", "");
+    // Made by hand (or by an older pgcdc) with compaction: records of one
+    // key would replace each other.
+    support::create_topic(
+        &stack,
+        &format!("{}.dlq", source_db.name),
+        &[("cleanup.policy", "compact")],
+    )
+    .await;
+    let run = cli(&["dlq", "list", "--config", config.arg()]).await;
+    assert_eq!(run.code, 1, "{}", run.all_output());
+    assert!(
+        run.stderr.contains("cleanup.policy=compact") && run.stderr.contains("retention.ms=-1"),
+        "{}",
+        run.stderr
+    );
+    source_db.drop_db().await;
+    target_db.drop_db().await;
 }

@@ -226,7 +226,7 @@ impl Output {
                 };
                 let payload = unencodable_payload(codec, op, before, after, src);
                 return self
-                    .quarantine(&topic, class, &e.to_string(), None, &payload, src)
+                    .quarantine(&topic, op, class, &e.to_string(), None, &payload, src)
                     .await;
             }
             Err(e) => return Err(encode_err(e)),
@@ -239,7 +239,7 @@ impl Output {
                     self.config.kafka.max_message_bytes
                 );
                 return self
-                    .quarantine(&topic, class, &error, key.as_deref(), &value, src)
+                    .quarantine(&topic, op, class, &error, key.as_deref(), &value, src)
                     .await;
             }
         }
@@ -261,9 +261,11 @@ impl Output {
 
     /// Writes a change that cannot go to its topic to the dead-letter
     /// topic (in parts when it is too large for one record).
+    #[allow(clippy::too_many_arguments)]
     async fn quarantine(
         &self,
         topic: &str,
+        op: Op,
         class: Class,
         error: &str,
         key: Option<&[u8]>,
@@ -278,6 +280,7 @@ impl Output {
             origin: None,
             position: Some((src.position.commit_lsn as i64, src.position.seq as i64)),
             lsn: Some(src.lsn),
+            op: Some(op.code()),
             attempts: 1,
             first_failure_ms: now,
             last_failure_ms: now,
@@ -294,8 +297,16 @@ impl Output {
             key.map_or(0, <[u8]>::len),
             self.config.kafka.max_message_bytes,
         );
-        let id = format!("{topic}@{}:{}", src.position.commit_lsn, src.position.seq);
+        // Unique per event and per split: a resend with other limits
+        // never mixes with this one's parts.
         let count = parts.len();
+        let id = format!(
+            "{topic}@{}:{}:{}/{count}x{}",
+            src.position.commit_lsn,
+            src.position.seq,
+            op.code(),
+            value.len()
+        );
         for (i, part) in parts.into_iter().enumerate() {
             let headers = q.headers((count > 1).then_some(Part {
                 index: i + 1,

@@ -27,7 +27,6 @@ pub mod record;
 pub mod state;
 pub mod store;
 
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
@@ -76,9 +75,13 @@ pub async fn open(config: &Config) -> Result<tokio_postgres::Client, DlqError> {
         .map_err(store::StoreError::Db)?;
     store::ensure(&db).await?;
     // Created with the workflow's settings, never auto-created by a read.
-    crate::sink::ensure_dlq_topic(&config.kafka, &crate::materialize::dlq_topic(config))
+    let topic = crate::materialize::dlq_topic(config);
+    crate::sink::ensure_dlq_topic(&config.kafka, &topic)
         .await
         .map_err(|e| store::StoreError::Kafka(e.to_string()))?;
+    crate::sink::check_dlq_topic(&config.kafka, &topic)
+        .await
+        .map_err(store::StoreError::Kafka)?;
     store::sync(config, &mut db).await?;
     Ok(db)
 }
@@ -335,9 +338,13 @@ async fn replay_one(
 pub struct PolicyRound {
     pub archived: Vec<(i64, String)>,
     pub replayed: Summary,
+    /// Messages a policy could not act on, with why (the round went on).
+    pub failed: Vec<(i64, String)>,
 }
 
-/// Applies the policies to every quarantined message once.
+/// Applies the policies to every quarantined message once, a message at a
+/// time: one that fails (a registry outage, a person moving it meanwhile)
+/// is reported and the round goes on.
 pub async fn enforce(
     config: &Config,
     replayer: &mut Replayer,
@@ -359,7 +366,6 @@ pub async fn enforce(
         },
         ..PolicyRound::default()
     };
-    let mut to_replay: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for m in &quarantined {
         let subject = policy::Subject {
             state: m.state,
@@ -367,91 +373,90 @@ pub async fn enforce(
             first_failure_ms: m.first_failure_ms,
             quarantined_ms: m.quarantined_ms,
         };
-        match policy::decide(&config.dlq.policies, &subject, now_ms) {
-            None => {}
-            Some(policy::Decision::Replay { policy }) => {
-                to_replay.entry(policy).or_default().push(m.id)
-            }
-            Some(policy::Decision::Archive { policy, reason }) => {
-                let actor = format!("auto:{policy}");
-                if !dry_run {
-                    let db = &*replayer.db();
-                    store::transition(
-                        db,
-                        m.id,
-                        State::Quarantined,
-                        State::UnderReview,
-                        &actor,
-                        &reason,
-                        Extra::default(),
-                    )
-                    .await?;
-                    store::transition(
-                        db,
-                        m.id,
-                        State::UnderReview,
-                        State::Archived,
-                        &actor,
-                        &reason,
-                        Extra::default(),
-                    )
-                    .await?;
-                    metrics::counter!(crate::observe::DLQ_POLICY_ACTIONS, "policy" => policy.clone(), "action" => "archive").increment(1);
-                }
-                round.archived.push((m.id, reason));
-            }
+        let Some(decision) = policy::decide(&config.dlq.policies, &subject, now_ms) else {
+            continue;
+        };
+        if let Err(e) = apply_decision(replayer, m.id, &decision, dry_run, &mut round).await {
+            tracing::warn!(id = m.id, error = %e, "a policy could not act on this dead letter; the round goes on");
+            round.failed.push((m.id, e.to_string()));
         }
-    }
-    for (policy, ids) in to_replay {
-        let actor = format!("auto:{policy}");
-        if !dry_run {
-            for &id in &ids {
-                let reason = format!("inside the window of policy {policy}");
-                let db = &*replayer.db();
-                store::transition(
-                    db,
-                    id,
-                    State::Quarantined,
-                    State::UnderReview,
-                    &actor,
-                    &reason,
-                    Extra::default(),
-                )
-                .await?;
-                store::transition(
-                    db,
-                    id,
-                    State::UnderReview,
-                    State::SchemaCheck,
-                    &actor,
-                    &format!("approved by policy {policy}"),
-                    Extra::default(),
-                )
-                .await?;
-            }
-        }
-        let s = replay(
-            replayer,
-            &Filter {
-                ids: ids.clone(),
-                ..Filter::default()
-            },
-            &actor,
-            dry_run,
-        )
-        .await?;
-        metrics::counter!(crate::observe::DLQ_POLICY_ACTIONS, "policy" => policy.clone(), "action" => "replay")
-            .increment(s.replayed + s.already_applied);
-        let r = &mut round.replayed;
-        r.messages += s.messages;
-        r.already_applied += s.already_applied;
-        r.archived += s.archived;
-        r.replayed += s.replayed;
-        r.refailed += s.refailed;
-        r.lines
-            .extend(s.lines.into_iter().map(|l| format!("{actor}: {l}")));
     }
     Ok(round)
+}
+
+async fn apply_decision(
+    replayer: &mut Replayer,
+    id: i64,
+    decision: &policy::Decision,
+    dry_run: bool,
+    round: &mut PolicyRound,
+) -> Result<(), DlqError> {
+    let (policy, to, reason) = match decision {
+        policy::Decision::Archive { policy, reason } => (policy, State::Archived, reason.clone()),
+        policy::Decision::Replay { policy } => (
+            policy,
+            State::SchemaCheck,
+            format!("inside the window of policy {policy}: approved"),
+        ),
+    };
+    let actor = format!("auto:{policy}");
+    if !dry_run {
+        let db = &*replayer.db();
+        store::transition(
+            db,
+            id,
+            State::Quarantined,
+            State::UnderReview,
+            &actor,
+            &reason,
+            Extra::default(),
+        )
+        .await?;
+        store::transition(
+            db,
+            id,
+            State::UnderReview,
+            to,
+            &actor,
+            &reason,
+            Extra::default(),
+        )
+        .await?;
+    }
+    if to == State::Archived {
+        if !dry_run {
+            metrics::counter!(crate::observe::DLQ_POLICY_ACTIONS, "policy" => policy.clone(), "action" => "archive").increment(1);
+        }
+        round.archived.push((id, reason));
+        return Ok(());
+    }
+    let s = replay(
+        replayer,
+        &Filter {
+            ids: vec![id],
+            ..Filter::default()
+        },
+        &actor,
+        dry_run,
+    )
+    .await?;
+    if !dry_run {
+        metrics::counter!(crate::observe::DLQ_POLICY_ACTIONS, "policy" => policy.clone(), "action" => "replay")
+            .increment(s.replayed + s.already_applied);
+    }
+    let r = &mut round.replayed;
+    r.messages += s.messages;
+    r.already_applied += s.already_applied;
+    r.archived += s.archived;
+    r.replayed += s.replayed;
+    r.refailed += s.refailed;
+    // A dry run counts them as not approved; the policy would approve them.
+    r.lines.extend(
+        s.lines
+            .into_iter()
+            .map(|l| format!("{actor}: {l}").replace("not approved; ", "")),
+    );
+    Ok(())
 }
 
 /// The health figures at `now_ms`.

@@ -23,6 +23,10 @@ pub struct Quarantine<'a> {
     pub position: Option<(i64, i64)>,
     /// The change record's own LSN (the connector's).
     pub lsn: Option<u64>,
+    /// The event's op (`c`, `u`, `d`, `r`): with the position it names a
+    /// connector's event, as a key change emits a delete and a create at
+    /// one position.
+    pub op: Option<&'a str>,
     pub attempts: u32,
     pub first_failure_ms: i64,
     pub last_failure_ms: i64,
@@ -60,6 +64,9 @@ impl Quarantine<'_> {
                 "pgcdc.origin.lsn",
                 crate::source::pgoutput::Lsn(lsn).to_string(),
             ));
+        }
+        if let Some(op) = self.op {
+            pairs.push(("pgcdc.origin.op", op.to_string()));
         }
         pairs.push(("pgcdc.attempts", self.attempts.to_string()));
         pairs.push(("pgcdc.first_failure_ms", self.first_failure_ms.to_string()));
@@ -120,6 +127,7 @@ mod tests {
             origin: None,
             position: Some((100, 2)),
             lsn: Some(0x16_B374_D848),
+            op: Some("c"),
             attempts: 1,
             first_failure_ms: 5,
             last_failure_ms: 6,
@@ -143,6 +151,7 @@ mod tests {
         assert_eq!(get("pgcdc.failure.class"), Some("oversized"));
         assert_eq!(get("pgcdc.position"), Some("100:2"));
         assert_eq!(get("pgcdc.origin.lsn"), Some("16/B374D848"));
+        assert_eq!(get("pgcdc.origin.op"), Some("c"));
         assert_eq!(
             get("pgcdc.origin.offset"),
             None,

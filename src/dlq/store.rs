@@ -502,7 +502,6 @@ async fn record(
     r: &Record,
 ) -> Result<u64, StoreError> {
     let h = |name: &str| r.headers.get(name).map(String::as_str);
-    let num = |name: &str| h(name).and_then(|v| v.parse::<i64>().ok());
     // A part of a split record: kept until the last one arrives, which
     // then stands for the whole.
     let mut whole: Option<Vec<u8>> = None;
@@ -510,8 +509,16 @@ async fn record(
         let Some((index, count)) = part
             .split_once('/')
             .and_then(|(i, n)| Some((i.parse::<i32>().ok()?, n.parse::<i32>().ok()?)))
+            .filter(|(i, n)| (1..=*n).contains(i))
         else {
-            return Ok(0);
+            // Kept whole rather than dropped: a person can still see it.
+            tracing::error!(
+                dlq_partition = r.partition,
+                dlq_offset = r.offset,
+                part,
+                "a dead-letter part with an unreadable pgcdc.part header; recorded as it is"
+            );
+            return record_whole(tx, config, topic, r, r.value.clone()).await;
         };
         tx.execute(
             "INSERT INTO pgcdc_dlq.parts (part_id, index, count, bytes) VALUES ($1, $2, $3, $4)
@@ -533,7 +540,19 @@ async fn record(
         tx.execute("DELETE FROM pgcdc_dlq.parts WHERE part_id = $1", &[&id])
             .await?;
     }
-    let value = whole.or_else(|| r.value.clone());
+    record_whole(tx, config, topic, r, whole.or_else(|| r.value.clone())).await
+}
+
+/// Inserts a record (or a joined split record) once per origin.
+async fn record_whole(
+    tx: &tokio_postgres::Transaction<'_>,
+    config: &Config,
+    topic: &str,
+    r: &Record,
+    value: Option<Vec<u8>>,
+) -> Result<u64, StoreError> {
+    let h = |name: &str| r.headers.get(name).map(String::as_str);
+    let num = |name: &str| h(name).and_then(|v| v.parse::<i64>().ok());
     let (class, error) = match h("pgcdc.failure.class").and_then(Class::parse) {
         Some(c) => (c, h("pgcdc.failure.error").unwrap_or_default().to_string()),
         // Written by something else: keep it, and say so.
@@ -553,7 +572,11 @@ async fn record(
     });
     let origin = match (origin_partition, origin_offset, position) {
         (Some(p), Some(o), _) => format!("{origin_topic}/{p}/{o}"),
-        (_, _, Some((c, s))) => format!("{origin_topic}@{c}:{s}"),
+        // A key change quarantines a delete and a create at one position.
+        (_, _, Some((c, s))) => format!(
+            "{origin_topic}@{c}:{s}:{}",
+            h("pgcdc.origin.op").unwrap_or_default()
+        ),
         _ => format!("{topic}/{}/{}", r.partition, r.offset),
     };
     let source_table = config

@@ -337,23 +337,38 @@ impl State {
                 .unwrap_or_else(|| column.to_string())
         };
         // Types the mirror may not take (its columns only ever widen).
-        let mismatch = mirror.columns.iter().find_map(|c| {
-            let ty = field_schema(&writer_name(&c.name));
-            if ty.is_null() {
-                return None;
-            }
-            let writer = shape::sql_type(&ty, &w.names);
-            (!shape::takes(&c.sql_type, &writer)).then(|| {
-                format!(
-                    "{}.{}: writer schema {id} has {writer}, the mirror {}",
-                    mirror.source, c.name, c.sql_type
-                )
+        let mismatched: Vec<(&str, String)> = mirror
+            .columns
+            .iter()
+            .filter_map(|c| {
+                let ty = field_schema(&writer_name(&c.name));
+                if ty.is_null() {
+                    return None;
+                }
+                let writer = shape::sql_type(&ty, &w.names);
+                (!shape::takes(&c.sql_type, &writer)).then(|| {
+                    let what = format!(
+                        "{}.{}: writer schema {id} has {writer}, the mirror {}",
+                        mirror.source, c.name, c.sql_type
+                    );
+                    (c.name.as_str(), what)
+                })
             })
+            .collect();
+        let mismatch = (!mismatched.is_empty()).then(|| {
+            mismatched
+                .iter()
+                .map(|(_, w)| w.as_str())
+                .collect::<Vec<_>>()
+                .join("; ")
         });
-        let value_class = if mismatch.is_some() {
-            classify_reader_mismatch()
-        } else {
-            quarantine_class(Fault::Value)
+        // A column's own value fails: the schema's fault only if its type changed.
+        let value_class = |column: &str| {
+            if mismatched.iter().any(|(c, _)| *c == column) {
+                classify_reader_mismatch()
+            } else {
+                quarantine_class(Fault::Value)
+            }
         };
         let cells_of = |image: &Value| -> Result<Vec<Cell>, Failure> {
             let Value::Record(row) = image else {
@@ -367,7 +382,7 @@ impl State {
                     match row.iter().find(|(n, _)| *n == name) {
                         Some((_, v)) => {
                             shape::cell(v, &field_schema(&name), &w.names).map_err(|e| Failure {
-                                class: value_class,
+                                class: value_class(&c.name),
                                 error: format!("{}.{}: {e}", mirror.source, c.name),
                                 position: Some(position),
                             })
@@ -544,12 +559,16 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     } = prepare(&config, &db).await?;
     let dlq = dlq_topic(&config);
     sink::ensure_dlq_topic(&config.kafka, &dlq).await?;
+    sink::check_dlq_topic(&config.kafka, &dlq)
+        .await
+        .map_err(MaterializeError::Config)?;
     let producer = sink::Producer::create(&config.kafka, None).await?;
     let dead_letters = DeadLetters {
         producer: Some(&producer),
         topic: &dlq,
         sent: Default::default(),
         replay_of: None,
+        max_message_bytes: config.kafka.max_message_bytes,
     };
 
     let group = target
@@ -618,13 +637,13 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
                 break;
             };
             attempt += 1;
-            if let Some(Verdict::Quarantine(class)) =
+            if let Some(Verdict::Quarantine(class @ crate::dlq::Class::SinkUnavailable)) =
                 e.target_verdict(attempt, config.dlq.max_attempts)
             {
                 // The target stayed down through every attempt: the batch
                 // goes to the dead-letter topic (acknowledged) and the
                 // partitions move on; a replay brings it back.
-                let n = quarantine_batch(
+                match quarantine_batch(
                     &mut state,
                     &dead_letters,
                     &batch,
@@ -632,11 +651,19 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
                     &e.to_string(),
                     (attempt, first_failure_ms),
                 )
-                .await?;
-                tracing::error!(attempts = attempt, messages = n, class = class.as_str(),
-                    "target database unavailable through every attempt; the batch is quarantined (pgcdc dlq replay brings it back)");
-                metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(n);
-                break;
+                .await
+                {
+                    Ok(n) => {
+                        tracing::error!(attempts = attempt, messages = n, class = class.as_str(),
+                            "target database unavailable through every attempt; the batch is quarantined (pgcdc dlq replay brings it back)");
+                        metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(n);
+                        break;
+                    }
+                    // Kafka too: keep retrying; nothing moved.
+                    Err(q) => {
+                        tracing::warn!(error = %q, "cannot quarantine the batch yet; retrying it")
+                    }
+                }
             }
             let Some(cause) = e.retry_cause() else {
                 return Err(e);
@@ -898,11 +925,26 @@ async fn seed_bloom(
     Ok(())
 }
 
-/// Removes tombstones older than the redelivery window.
+/// Removes tombstones older than the redelivery window, but none deleted
+/// since the oldest open dead letter failed: its replay's idempotency
+/// check needs them, or it would bring a deleted row back.
 async fn sweep(db: &Client, hours: u64) -> Result<(), MaterializeError> {
+    let has_store: bool = db
+        .query_one("SELECT to_regclass('pgcdc_dlq.messages') IS NOT NULL", &[])
+        .await?
+        .get(0);
+    let oldest_open = if has_store {
+        "(SELECT min(first_failure) FROM pgcdc_dlq.messages WHERE state NOT IN ('replayed', 'archived'))"
+    } else {
+        "NULL::timestamptz"
+    };
     let removed = db
         .execute(
-            "DELETE FROM pgcdc_state.tombstones WHERE deleted_at < now() - make_interval(hours => $1)",
+            &format!(
+                "DELETE FROM pgcdc_state.tombstones
+                 WHERE deleted_at < now() - make_interval(hours => $1)
+                   AND deleted_at < coalesce({oldest_open}, 'infinity')"
+            ),
             &[&(hours as i32)],
         )
         .await?;
@@ -1034,9 +1076,9 @@ async fn apply_batch(
     let mut done = match apply_with_retry(state, db, dead_letters, batch, &changes, &lookups).await
     {
         Ok(done) => done,
-        Err(MaterializeError::ViewRejected { error, .. }) => {
+        Err(MaterializeError::ViewRejected { .. }) => {
             // Find the change(s) the view cannot take: one transaction each.
-            tracing::warn!(%error, "a read model rejected this batch; applying it one change at a time");
+            tracing::warn!("a read model rejected this batch; applying it one change at a time (the change it rejects is dead-lettered with the error)");
             let mut total = Done::default();
             for one in changes.chunks(1) {
                 match apply_with_retry(state, db, dead_letters, batch, one, &lookups).await {
@@ -1342,6 +1384,8 @@ struct DeadLetters<'a> {
     sent: std::sync::Mutex<HashSet<(String, i32, i64)>>,
     /// The dead letter a replay failed for (header `pgcdc.replay_of`).
     replay_of: Option<i64>,
+    /// `kafka.max_message_bytes`: a larger record goes in parts.
+    max_message_bytes: usize,
 }
 
 impl DeadLetters<'_> {
@@ -1397,8 +1441,15 @@ impl DeadLetters<'_> {
             );
             return Ok(());
         };
-        tracing::warn!(topic = m.topic(), partition = m.partition(), offset = m.offset(), class = f.class, error = %f.error, "change dead-lettered");
-        let headers = crate::dlq::record::Quarantine {
+        // Not the error text: Postgres quotes the refused value in it.
+        tracing::warn!(
+            topic = m.topic(),
+            partition = m.partition(),
+            offset = m.offset(),
+            class = f.class,
+            "change dead-lettered (pgcdc dlq show for the error)"
+        );
+        let q = crate::dlq::record::Quarantine {
             class: f.class,
             error: &f.error,
             origin_topic: m.topic(),
@@ -1406,20 +1457,45 @@ impl DeadLetters<'_> {
             origin: (m.offset() >= 0).then_some((m.partition(), m.offset())),
             position: f.position,
             lsn: None,
+            op: None,
             attempts,
             first_failure_ms: first_ms,
             last_failure_ms: crate::connector::now_ms(),
             replay_of: self.replay_of,
+        };
+        // Only a replayed oversized change can be too large here.
+        let value = m.payload().unwrap_or_default();
+        let parts = crate::dlq::record::split(
+            value,
+            m.key().map_or(0, <[u8]>::len),
+            self.max_message_bytes,
+        );
+        let count = parts.len();
+        let id = format!(
+            "{}/{}/{}/replay{}/{count}x{}",
+            m.topic(),
+            m.partition(),
+            m.offset(),
+            self.replay_of.unwrap_or_default(),
+            value.len()
+        );
+        for (i, part) in parts.into_iter().enumerate() {
+            let headers = q.headers((count > 1).then_some(crate::dlq::record::Part {
+                index: i + 1,
+                count,
+                id: &id,
+            }));
+            let payload = m.payload().map(|_| part);
+            let f = producer
+                .send_with_headers(self.topic, m.key(), payload, headers)
+                .await?;
+            match f.await {
+                Ok(Ok(_)) => {}
+                Ok(Err((e, _))) => return Err(MaterializeError::DeadLetter(e.to_string())),
+                Err(_) => return Err(MaterializeError::DeadLetter("producer dropped".into())),
+            }
         }
-        .headers(None);
-        let f = producer
-            .send_with_headers(self.topic, m.key(), m.payload(), headers)
-            .await?;
-        match f.await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err((e, _))) => Err(MaterializeError::DeadLetter(e.to_string())),
-            Err(_) => Err(MaterializeError::DeadLetter("producer dropped".into())),
-        }
+        Ok(())
     }
 }
 

@@ -329,6 +329,7 @@ pub async fn run(
         topic: "",
         sent: Default::default(),
         replay_of: None,
+        max_message_bytes: config.kafka.max_message_bytes,
     };
 
     let consumer: StreamConsumer = sink::client_config(&config.kafka)

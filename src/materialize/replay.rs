@@ -58,6 +58,7 @@ pub struct Replayer {
     producer: sink::Producer,
     dlq: String,
     mappings: std::collections::BTreeMap<String, DlqMappingConfig>,
+    max_message_bytes: usize,
 }
 
 impl std::fmt::Debug for Replayer {
@@ -115,6 +116,7 @@ impl Replayer {
             producer,
             dlq,
             mappings,
+            max_message_bytes: config.kafka.max_message_bytes,
         })
     }
 
@@ -173,6 +175,18 @@ impl Replayer {
         ))
     }
 
+    /// Adds to the mirror the columns the message's writer has and the
+    /// mirror not yet (as the live path does), so none of its values is
+    /// dropped.
+    async fn evolve(&mut self, m: &DeadLetter) -> Result<(), MaterializeError> {
+        if let Some((id, _)) = m.value.as_deref().and_then(unframe) {
+            if let Ok(w) = self.state.writer(id).await {
+                self.state.evolve(&self.db, &m.origin_topic, &w).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// Decodes the message for the apply path, through the mapping when
     /// the schema check needed it.
     async fn change(&mut self, m: &DeadLetter, mapped: bool) -> Result<Option<Change>, Failure> {
@@ -194,6 +208,7 @@ impl Replayer {
         m: &DeadLetter,
         mapped: bool,
     ) -> Result<Option<bool>, MaterializeError> {
+        self.evolve(m).await?;
         let change = match self.change(m, mapped).await {
             Ok(Some(c)) => c,
             Ok(None) => return Ok(None),
@@ -246,6 +261,7 @@ impl Replayer {
             None,
         );
         let batch = [record];
+        self.evolve(m).await?;
         let failure = match self.change(m, mapped).await {
             Err(f) if f.class == REGISTRY_UNAVAILABLE => {
                 return Err(MaterializeError::RegistryUnavailable(f.error))
@@ -336,6 +352,7 @@ impl Replayer {
             topic: &self.dlq,
             sent: Default::default(),
             replay_of: Some(m.id),
+            max_message_bytes: self.max_message_bytes,
         };
         dead_letters.send(&batch[0], &f).await?;
         store::transition(
