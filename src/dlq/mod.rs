@@ -471,7 +471,7 @@ pub async fn stats(
 
 /// The materializer's rounds, every `dlq.check_interval_secs`: record new
 /// arrivals, apply the policies, export the health figures (and warn).
-pub async fn keep(config: std::sync::Arc<Config>) {
+pub async fn keep(config: std::sync::Arc<Config>, held: crate::materialize::SharedHeld) {
     let every = std::time::Duration::from_secs(config.dlq.check_interval_secs.max(1));
     let mut replayer: Option<Replayer> = None;
     loop {
@@ -493,7 +493,7 @@ pub async fn keep(config: std::sync::Arc<Config>) {
             }
         }
         let Some(r) = replayer.as_mut() else { continue };
-        match round(&config, r).await {
+        match round(&config, r, &held).await {
             Ok(()) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "dead-letter round failed; trying again later");
@@ -505,7 +505,12 @@ pub async fn keep(config: std::sync::Arc<Config>) {
     }
 }
 
-async fn round(config: &Config, r: &mut Replayer) -> Result<(), DlqError> {
+async fn round(
+    config: &Config,
+    r: &mut Replayer,
+    held: &crate::materialize::SharedHeld,
+) -> Result<(), DlqError> {
+    let synced = std::time::Instant::now();
     store::sync(config, r.db()).await?;
     let now = crate::connector::now_ms();
     if !config.dlq.policies.is_empty() {
@@ -517,6 +522,11 @@ async fn round(config: &Config, r: &mut Replayer) -> Result<(), DlqError> {
                 "dead-letter policies applied"
             );
         }
+    }
+    // After the policies: what they resolved no longer holds its key.
+    let keys = r.open_keys().await?;
+    if let Ok(mut h) = held.lock() {
+        h.refresh(keys, synced);
     }
     let h = stats(config, &*r.db(), now).await?;
     h.export();

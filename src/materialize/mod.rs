@@ -184,6 +184,92 @@ struct State {
     /// A dead-letter replay's safe mapping for the message at hand
     /// (renamed fields, defaults); `None` on the live path.
     mapping: Option<crate::config::DlqMappingConfig>,
+    /// Keys with an open dead letter (the live path with the workflow's
+    /// rounds on; `None` elsewhere).
+    held: Option<SharedHeld>,
+}
+
+/// Keys with an open dead letter: a later change of such a key that
+/// leaves TOASTed columns unchanged would keep the value from before the
+/// quarantined change, so it is quarantined behind it and replays after it.
+#[derive(Debug, Default)]
+pub struct Held {
+    /// From the store (every instance's), as of the last round.
+    store: HashMap<String, &'static str>,
+    /// Quarantined by this process since.
+    local: HashMap<String, (&'static str, Instant)>,
+}
+
+pub type SharedHeld = Arc<std::sync::Mutex<Held>>;
+
+impl Held {
+    fn class(&self, key: &str) -> Option<&'static str> {
+        self.local
+            .get(key)
+            .map(|(c, _)| *c)
+            .or_else(|| self.store.get(key).copied())
+    }
+
+    fn add(&mut self, key: &str, class: &'static str) {
+        self.local.insert(key.to_string(), (class, Instant::now()));
+    }
+
+    /// The open keys the store holds, read after `synced` (entries this
+    /// process added before it are in the store now, or resolved).
+    pub fn refresh(&mut self, store: HashMap<String, &'static str>, synced: Instant) {
+        self.store = store;
+        self.local.retain(|_, (_, at)| *at >= synced);
+    }
+}
+
+/// Moves to `dead` every change that leaves a column unchanged while its
+/// key has an open dead letter; returns the others.
+fn hold_back(
+    state: &State,
+    changes: Vec<(usize, Change)>,
+    dead: &mut Vec<(usize, Failure)>,
+) -> Vec<(usize, Change)> {
+    let Some(held) = state.held.as_ref() else {
+        return changes;
+    };
+    let Ok(held) = held.lock() else {
+        return changes;
+    };
+    changes
+        .into_iter()
+        .filter_map(|(i, c)| {
+            let unchanged = c
+                .cells
+                .as_ref()
+                .is_some_and(|cells| cells.iter().any(|x| matches!(x, Cell::Unchanged)));
+            match held.class(&c.cache_key).filter(|_| unchanged) {
+                Some(class) => {
+                    dead.push((
+                        i,
+                        Failure {
+                            class,
+                            error: "held behind an open dead letter of the same key: this change \
+                                    leaves TOASTed columns unchanged, which the earlier change may \
+                                    have set; replay it after that one"
+                                .into(),
+                            position: Some(c.position),
+                        },
+                    ));
+                    None
+                }
+                None => Some((i, c)),
+            }
+        })
+        .collect()
+}
+
+/// Remembers the keys of dead-lettered changes (see [`Held`]).
+fn remember(state: &State, keys: impl IntoIterator<Item = (String, &'static str)>) {
+    if let Some(Ok(mut held)) = state.held.as_ref().map(|h| h.lock()) {
+        for (k, class) in keys {
+            held.add(&k, class);
+        }
+    }
 }
 
 impl State {
@@ -604,13 +690,16 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         statements: Statements::default(),
         fast,
         mapping: None,
+        held: (config.dlq.check_interval_secs > 0).then(SharedHeld::default),
     };
     let committed = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
     let lag = tokio::spawn(report_lag(config.clone(), committed.clone()));
     let reach = (config.retention.check_interval_secs > 0 && !config.read_models.is_empty())
         .then(|| tokio::spawn(check_reach(config.clone())));
-    let keeper = (config.dlq.check_interval_secs > 0)
-        .then(|| tokio::spawn(crate::dlq::keep(config.clone())));
+    let keeper = state
+        .held
+        .clone()
+        .map(|held| tokio::spawn(crate::dlq::keep(config.clone(), held)));
     // At start too: an instance restarted more often than the sweep
     // interval still sweeps.
     sweep(&db, target.redelivery_window_hours).await?;
@@ -1032,7 +1121,10 @@ async fn quarantine_batch(
         };
         // A record that could not be applied anyway keeps its own class.
         let f = match state.decode(m.topic(), value).await {
-            Ok(c) => outage(Some(c.position)),
+            Ok(c) => {
+                remember(state, [(c.cache_key.clone(), class.as_str())]);
+                outage(Some(c.position))
+            }
             Err(f) if f.class == REGISTRY_UNAVAILABLE => outage(None),
             Err(f) => f,
         };
@@ -1057,6 +1149,7 @@ async fn apply_batch(
     batch: &[rdkafka::message::OwnedMessage],
 ) -> Result<Tally, MaterializeError> {
     let (changes, mut dead) = decode_batch(state, &*db, batch).await?;
+    let changes = hold_back(state, changes, &mut dead);
     let mut keys: Vec<&str> = Vec::new();
     // Inserts of keys the Bloom filter never saw: one guarded statement.
     let mut fresh: HashSet<String> = HashSet::new();
@@ -1103,6 +1196,17 @@ async fn apply_batch(
         Err(e) => return Err(e),
     };
     dead.append(&mut done.dead);
+    // Keys of changes the target refused, and of those held back.
+    let keys: Vec<(String, &'static str)> = dead
+        .iter()
+        .filter_map(|(i, f)| {
+            changes
+                .iter()
+                .find(|(j, _)| j == i)
+                .map(|(_, c)| (c.cache_key.clone(), f.class))
+        })
+        .collect();
+    remember(state, keys);
     state.fast.committed(&done.committed).await?;
     metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
     metrics::counter!(observe::MATERIALIZE_BLOOM_SKIPS).increment(done.bloom_skips);

@@ -323,6 +323,7 @@ pub async fn run(
         )
         .map_err(RebuildError::Failed)?,
         mapping: None,
+        held: None,
     };
     let dead_letters = DeadLetters {
         producer: None,

@@ -111,6 +111,7 @@ impl Replayer {
                 statements: Statements::default(),
                 fast,
                 mapping: None,
+                held: None,
             },
             db,
             producer,
@@ -123,6 +124,32 @@ impl Replayer {
     /// The target connection (the store lives there too).
     pub fn db(&mut self) -> &mut Client {
         &mut self.db
+    }
+
+    /// The dedup keys of every open dead letter's change, with its class
+    /// (for [`super::Held`]).
+    pub async fn open_keys(&mut self) -> Result<HashMap<String, &'static str>, MaterializeError> {
+        let open = store::list(
+            &self.db,
+            &store::Filter {
+                states: vec![
+                    DlqState::Quarantined,
+                    DlqState::UnderReview,
+                    DlqState::SchemaCheck,
+                    DlqState::IdempotencyCheck,
+                ],
+                ..store::Filter::default()
+            },
+        )
+        .await
+        .map_err(|e| MaterializeError::DeadLetter(e.to_string()))?;
+        let mut keys = HashMap::new();
+        for m in open {
+            if let Ok(Some(c)) = self.change(&m, false).await {
+                keys.insert(c.cache_key, m.class.as_str());
+            }
+        }
+        Ok(keys)
     }
 
     pub async fn schema_check(
