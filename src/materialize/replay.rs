@@ -345,7 +345,7 @@ impl Replayer {
                                 Applied::Applied => Outcome::Applied,
                                 _ => Outcome::AlreadyApplied,
                             };
-                            store::transition(
+                            let recorded = store::transition(
                                 &tx,
                                 m.id,
                                 DlqState::IdempotencyCheck,
@@ -357,8 +357,17 @@ impl Replayer {
                                     note: None,
                                 },
                             )
-                            .await
-                            .map_err(|e| MaterializeError::DeadLetter(e.to_string()))?;
+                            .await;
+                            match recorded {
+                                Ok(()) => {}
+                                // A conflict with another transaction: redo.
+                                Err(store::StoreError::Db(e))
+                                    if is_retryable(&e) && attempt < 20 =>
+                                {
+                                    continue
+                                }
+                                Err(e) => return Err(MaterializeError::DeadLetter(e.to_string())),
+                            }
                             match tx.commit().await {
                                 Ok(()) => return Ok(outcome),
                                 Err(e) if is_retryable(&e) && attempt < 20 => continue,
