@@ -137,6 +137,41 @@ fn single_table(
     ))
 }
 
+/// `public.items` captured and materialized, with these `[dlq]` settings,
+/// once the target equals the source.
+struct Items {
+    source_db: TestDb,
+    target_db: TestDb,
+    source: tokio_postgres::Client,
+    /// The config's text, to extend with policies or mappings.
+    base: String,
+    config: ConfigFile,
+    connector: ConnectorProcess,
+    m: tokio::process::Child,
+    /// The materializer's metrics.
+    addr: String,
+}
+
+async fn items(stack: &Stack, prefix: &str, dlq: &str) -> Items {
+    let (source_db, target_db, source) = databases(stack, prefix, ITEMS).await;
+    let base = pipeline(stack, &source_db, &target_db, dlq);
+    let config = ConfigFile::write(&base);
+    let connector = ConnectorProcess::start(&config);
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    wait_equal(&source, &target_db.url).await;
+    Items {
+        source_db,
+        target_db,
+        source,
+        base,
+        config,
+        connector,
+        m,
+        addr,
+    }
+}
+
 /// Refuses new connections to the target database and ends the open ones.
 async fn target_down(stack: &Stack, db: &TestDb) {
     let admin = support::connect(&stack.admin_url).await;
@@ -244,17 +279,21 @@ async fn dead_letters(stack: &Stack, topic: &str, n: usize) -> Vec<support::Reco
 #[tokio::test]
 async fn the_worked_example_replays_185_finds_12_applied_and_archives_3() {
     let stack = support::stack();
-    let (source_db, target_db, source) = databases(&stack, "dlq_ex", ITEMS).await;
-    let config = ConfigFile::write(&pipeline(
+    let Items {
+        source_db,
+        target_db,
+        source,
+        config,
+        connector,
+        mut m,
+        addr,
+        ..
+    } = items(
         &stack,
-        &source_db,
-        &target_db,
+        "dlq_ex",
         "max_attempts = 3\ncheck_interval_secs = 0",
-    ));
-    let connector = ConnectorProcess::start(&config);
-    let addr = format!("127.0.0.1:{}", support::free_port());
-    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
-    wait_equal(&source, &target_db.url).await;
+    )
+    .await;
 
     // The target goes down; 200 changes follow. The first 3 are written
     // with the schema of before a breaking change (bigint → int, which
@@ -503,16 +542,20 @@ async fn wait_for(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> b
 #[tokio::test]
 async fn poison_messages_are_classified_the_partition_flows_and_every_transition_is_checked() {
     let stack = support::stack();
-    let (source_db, target_db, source) = databases(&stack, "dlq_poison", ITEMS).await;
-    let config = ConfigFile::write(&pipeline(
+    let Items {
+        source_db,
+        target_db,
+        source,
+        config,
+        connector,
+        m,
+        ..
+    } = items(
         &stack,
-        &source_db,
-        &target_db,
+        "dlq_poison",
         "max_attempts = 3\ncheck_interval_secs = 0",
-    ));
-    let connector = ConnectorProcess::start(&config);
-    let m = materializer(&config, &[], &[]);
-    wait_equal(&source, &target_db.url).await;
+    )
+    .await;
     let topic = format!("{}.public.items", source_db.name);
     let good = support::read_topic(&stack, &topic, 20, Duration::from_secs(60)).await[0]
         .value
@@ -803,18 +846,21 @@ async fn poison_messages_are_classified_the_partition_flows_and_every_transition
 #[tokio::test]
 async fn an_auto_replay_policy_keeps_to_its_class_and_window_and_still_checks() {
     let stack = support::stack();
-    let (source_db, target_db, source) = databases(&stack, "dlq_auto", ITEMS).await;
-    let base = pipeline(
+    let Items {
+        source_db,
+        target_db,
+        source,
+        base,
+        config,
+        connector,
+        m,
+        addr,
+    } = items(
         &stack,
-        &source_db,
-        &target_db,
+        "dlq_auto",
         "max_attempts = 3\ncheck_interval_secs = 0",
-    );
-    let config = ConfigFile::write(&base);
-    let connector = ConnectorProcess::start(&config);
-    let addr = format!("127.0.0.1:{}", support::free_port());
-    let m = materializer(&config, &["--metrics-addr", &addr], &[]);
-    wait_equal(&source, &target_db.url).await;
+    )
+    .await;
     let dlq = format!("{}.dlq", source_db.name);
     let topic = format!("{}.public.items", source_db.name);
 
@@ -1141,16 +1187,14 @@ async fn the_connector_quarantines_a_value_it_cannot_encode_with_the_row_as_text
 #[tokio::test]
 async fn a_value_refused_because_the_writer_type_changed_is_schema_incompatible() {
     let stack = support::stack();
-    let (source_db, target_db, source) = databases(&stack, "dlq_type", ITEMS).await;
-    let config = ConfigFile::write(&pipeline(
-        &stack,
-        &source_db,
-        &target_db,
-        "check_interval_secs = 0",
-    ));
-    let connector = ConnectorProcess::start(&config);
-    let m = materializer(&config, &[], &[]);
-    wait_equal(&source, &target_db.url).await;
+    let Items {
+        source_db,
+        target_db,
+        source,
+        connector,
+        m,
+        ..
+    } = items(&stack, "dlq_type", "check_interval_secs = 0").await;
     let topic = format!("{}.public.items", source_db.name);
     set_compatibility(&stack, &format!("{topic}-value"), "NONE").await;
     // qty becomes text in the source; the mirror's column stays bigint.
@@ -1187,17 +1231,21 @@ async fn a_value_refused_because_the_writer_type_changed_is_schema_incompatible(
 #[tokio::test]
 async fn a_safe_mapping_transforms_what_the_reader_could_not_read_and_without_it_is_archived() {
     let stack = support::stack();
-    let (source_db, target_db, source) = databases(&stack, "dlq_map", ITEMS).await;
-    let base = pipeline(
+    let Items {
+        source_db,
+        target_db,
+        source,
+        base,
+        config,
+        connector,
+        m,
+        ..
+    } = items(
         &stack,
-        &source_db,
-        &target_db,
+        "dlq_map",
         "max_attempts = 2\ncheck_interval_secs = 0",
-    );
-    let config = ConfigFile::write(&base);
-    let connector = ConnectorProcess::start(&config);
-    let m = materializer(&config, &[], &[]);
-    wait_equal(&source, &target_db.url).await;
+    )
+    .await;
     target_down(&stack, &target_db).await;
     source
         .batch_execute("UPDATE public.items SET qty = 500 WHERE id IN (1, 2)")

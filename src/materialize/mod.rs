@@ -273,6 +273,25 @@ fn remember(state: &State, keys: impl IntoIterator<Item = (String, &'static str)
 }
 
 impl State {
+    /// The live path's state: nothing cached yet, no mapping, no held keys.
+    fn new(
+        registry: RegistryClient,
+        mirrors: HashMap<String, Mirror>,
+        views: Vec<View>,
+        fast: fast_tier::FastTier,
+    ) -> State {
+        State {
+            registry,
+            writers: HashMap::new(),
+            mirrors,
+            views,
+            statements: Statements::default(),
+            fast,
+            mapping: None,
+            held: None,
+        }
+    }
+
     async fn writer(&mut self, id: u32) -> Result<Arc<Writer>, Failure> {
         if let Some(w) = self.writers.get(&id) {
             return Ok(w.clone());
@@ -683,14 +702,8 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         seed_bloom(&db, &mirrors, &mut fast).await?;
     }
     let mut state = State {
-        registry,
-        writers: HashMap::new(),
-        mirrors,
-        views,
-        statements: Statements::default(),
-        fast,
-        mapping: None,
         held: (config.dlq.check_interval_secs > 0).then(SharedHeld::default),
+        ..State::new(registry, mirrors, views, fast)
     };
     let committed = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
     let lag = tokio::spawn(report_lag(config.clone(), committed.clone()));

@@ -303,28 +303,20 @@ pub async fn run(
     } = prepare(config, &db).await?;
     let shadows = create_shadows(&db, &live, &topics).await?;
     let bloom_keys = target.dedup.bloom_keys.max(1_000_000);
-    let mut state = State {
-        registry,
-        writers: HashMap::new(),
-        mirrors: shadows,
-        // Read models are recomputed in full at the swap, not per change.
-        views: Vec::new(),
-        statements: Statements::default(),
-        // The shadows are this process's alone: an in-process tier and a
-        // Bloom filter over them are exact.
-        fast: fast_tier::FastTier::new(
-            &DedupConfig {
-                bloom_keys,
-                redis_url: None,
-                on_redis_failure: None,
-                ..DedupConfig::default()
-            },
-            "rebuild",
-        )
-        .map_err(RebuildError::Failed)?,
-        mapping: None,
-        held: None,
-    };
+    // The shadows are this process's alone: an in-process tier and a
+    // Bloom filter over them are exact.
+    let fast = fast_tier::FastTier::new(
+        &DedupConfig {
+            bloom_keys,
+            redis_url: None,
+            on_redis_failure: None,
+            ..DedupConfig::default()
+        },
+        "rebuild",
+    )
+    .map_err(RebuildError::Failed)?;
+    // Read models are recomputed in full at the swap, not per change.
+    let mut state = State::new(registry, shadows, Vec::new(), fast);
     let dead_letters = DeadLetters {
         producer: None,
         topic: "",

@@ -103,16 +103,7 @@ impl Replayer {
             .map(|(table, m)| (config.topic_for(table), m.clone()))
             .collect();
         Ok(Replayer {
-            state: State {
-                registry,
-                writers: HashMap::new(),
-                mirrors,
-                views,
-                statements: Statements::default(),
-                fast,
-                mapping: None,
-                held: None,
-            },
+            state: State::new(registry, mirrors, views, fast),
             db,
             producer,
             dlq,
