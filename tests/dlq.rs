@@ -1438,7 +1438,21 @@ async fn a_later_change_leaving_a_toasted_column_unchanged_waits_behind_the_dead
         )
         .await
     );
+    let all = list(&config, &[]).await;
+    let [body, title] = ids(&all)[..] else {
+        panic!("{all:?}")
+    };
     for action in ["review", "approve", "replay"] {
+        if action == "replay" {
+            // Alone, the later one waits for the earlier one of its key.
+            let run = dlq_cmd(&config, "replay", &[&title.to_string(), "--actor", "erin"]).await;
+            assert!(
+                run.stdout.contains(&format!("waits for message {body}")),
+                "{}",
+                run.stdout
+            );
+            assert!(run.stdout.contains("1 waiting"), "{}", run.stdout);
+        }
         let run = dlq_cmd(&config, action, &["--all", "--actor", "erin"]).await;
         assert_eq!(run.code, 0, "{action}: {}", run.all_output());
         if action == "replay" {

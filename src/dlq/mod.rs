@@ -207,6 +207,9 @@ pub async fn replay(
         ];
     }
     let messages = store::list(&*replayer.db(), &f).await?;
+    let mut settled: std::collections::HashSet<i64> = std::collections::HashSet::new();
+    let mut refailed: std::collections::HashSet<(String, Vec<u8>)> =
+        std::collections::HashSet::new();
     let mut s = Summary {
         dry_run,
         ..Summary::default()
@@ -227,7 +230,29 @@ pub async fn replay(
             ));
             continue;
         }
+        // A key's changes replay in their order: one waits while an older
+        // dead letter of its key is open (and not settled by this run),
+        // or failed again in this run.
+        let key = m.key.clone().map(|k| (m.origin_topic.clone(), k));
+        let blocking = store::older_open(&*replayer.db(), &m).await?;
+        let waits_for = blocking.iter().find(|id| !settled.contains(*id)).copied();
+        if waits_for.is_some() || key.as_ref().is_some_and(|k| refailed.contains(k)) {
+            s.waiting += 1;
+            s.lines.push(match waits_for {
+                Some(id) => format!(
+                    "{}: waits for message {id}, an older dead letter of its key still open",
+                    m.id
+                ),
+                None => format!("{}: waits: an older change of its key failed again", m.id),
+            });
+            continue;
+        }
+        let refailed_before = s.refailed;
         let line = replay_one(replayer, &m, actor, dry_run, &mut s).await?;
+        settled.insert(m.id);
+        if s.refailed > refailed_before {
+            refailed.extend(key);
+        }
         let prefix = if approved { "" } else { "not approved; " };
         s.lines.push(format!("{}: {prefix}{line}", m.id));
         if !approved {
@@ -525,9 +550,9 @@ async fn round(
     }
     // After the policies: what they resolved no longer holds its key.
     let keys = r.open_keys().await?;
-    if let Ok(mut h) = held.lock() {
-        h.refresh(keys, synced);
-    }
+    held.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .refresh(keys, synced);
     let h = stats(config, &*r.db(), now).await?;
     h.export();
     for w in &h.warnings {

@@ -65,6 +65,7 @@ CREATE TABLE IF NOT EXISTS pgcdc_dlq.messages (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS messages_origin ON pgcdc_dlq.messages (origin, coalesce(replay_of, 0));
 CREATE INDEX IF NOT EXISTS messages_state ON pgcdc_dlq.messages (state, class);
+CREATE INDEX IF NOT EXISTS messages_key ON pgcdc_dlq.messages (origin_topic, key);
 CREATE TABLE IF NOT EXISTS pgcdc_dlq.audit (
     id bigserial PRIMARY KEY,
     message_id bigint NOT NULL REFERENCES pgcdc_dlq.messages (id),
@@ -230,6 +231,24 @@ pub async fn list(db: &impl GenericClient, f: &Filter) -> Result<Vec<DeadLetter>
         }
     }
     Ok(found)
+}
+
+/// Open dead letters of the same key (origin topic and Kafka key) older
+/// than `m` in the topic.
+pub async fn older_open(db: &impl GenericClient, m: &DeadLetter) -> Result<Vec<i64>, StoreError> {
+    let Some(key) = &m.key else {
+        return Ok(Vec::new());
+    };
+    let rows = db
+        .query(
+            "SELECT id FROM pgcdc_dlq.messages
+             WHERE origin_topic = $1 AND key = $2 AND (dlq_partition, dlq_offset) < ($3, $4)
+               AND state NOT IN ('replayed', 'archived')
+             ORDER BY dlq_partition, dlq_offset",
+            &[&m.origin_topic, key, &m.dlq_partition, &m.dlq_offset],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| r.get(0)).collect())
 }
 
 pub async fn get(db: &impl GenericClient, id: i64) -> Result<DeadLetter, StoreError> {

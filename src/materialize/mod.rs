@@ -192,69 +192,98 @@ struct State {
 /// Keys with an open dead letter: a later change of such a key that
 /// leaves TOASTed columns unchanged would keep the value from before the
 /// quarantined change, so it is quarantined behind it and replays after it.
+/// Keys are the records' Kafka keys (the Avro key bytes, by topic), which a
+/// record has even when its value cannot be decoded.
 #[derive(Debug, Default)]
 pub struct Held {
     /// From the store (every instance's), as of the last round.
-    store: HashMap<String, &'static str>,
+    store: HashMap<HeldKey, &'static str>,
     /// Quarantined by this process since.
-    local: HashMap<String, (&'static str, Instant)>,
+    local: HashMap<HeldKey, (&'static str, Instant)>,
 }
+
+/// `(topic, Kafka key)`.
+pub type HeldKey = (String, Vec<u8>);
 
 pub type SharedHeld = Arc<std::sync::Mutex<Held>>;
 
 impl Held {
-    fn class(&self, key: &str) -> Option<&'static str> {
+    fn class(&self, key: &HeldKey) -> Option<&'static str> {
         self.local
             .get(key)
             .map(|(c, _)| *c)
             .or_else(|| self.store.get(key).copied())
     }
 
-    fn add(&mut self, key: &str, class: &'static str) {
-        self.local.insert(key.to_string(), (class, Instant::now()));
-    }
-
     /// The open keys the store holds, read after `synced` (entries this
     /// process added before it are in the store now, or resolved).
-    pub fn refresh(&mut self, store: HashMap<String, &'static str>, synced: Instant) {
+    pub fn refresh(&mut self, store: HashMap<HeldKey, &'static str>, synced: Instant) {
         self.store = store;
         self.local.retain(|_, (_, at)| *at >= synced);
     }
+}
+
+/// A poisoned lock still holds good keys: holding fails closed.
+fn lock_held(held: &SharedHeld) -> std::sync::MutexGuard<'_, Held> {
+    held.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Whether a change leaves a column unchanged (an unchanged TOAST value).
+fn leaves_unchanged(c: &Change) -> bool {
+    c.cells
+        .as_ref()
+        .is_some_and(|cells| cells.iter().any(|x| matches!(x, Cell::Unchanged)))
+}
+
+fn held_failure(class: &'static str, c: &Change) -> Failure {
+    Failure {
+        class,
+        error: "held behind an open dead letter of the same key: this change leaves TOASTed \
+                columns unchanged, which the earlier change may have set; replay it after that one"
+            .into(),
+        position: Some(c.position),
+    }
+}
+
+fn held_key(m: &rdkafka::message::OwnedMessage) -> Option<HeldKey> {
+    m.key().map(|k| (m.topic().to_string(), k.to_vec()))
 }
 
 /// Moves to `dead` every change that leaves a column unchanged while its
 /// key has an open dead letter; returns the others.
 fn hold_back(
     state: &State,
+    batch: &[rdkafka::message::OwnedMessage],
     changes: Vec<(usize, Change)>,
     dead: &mut Vec<(usize, Failure)>,
 ) -> Vec<(usize, Change)> {
     let Some(held) = state.held.as_ref() else {
         return changes;
     };
-    let Ok(held) = held.lock() else {
-        return changes;
-    };
+    let held = lock_held(held);
+    // Records of this batch that did not decode hold their keys for the
+    // changes after them.
+    let earlier: Vec<(usize, HeldKey, &'static str)> = dead
+        .iter()
+        .filter_map(|(i, f)| held_key(&batch[*i]).map(|k| (*i, k, f.class)))
+        .collect();
     changes
         .into_iter()
         .filter_map(|(i, c)| {
-            let unchanged = c
-                .cells
-                .as_ref()
-                .is_some_and(|cells| cells.iter().any(|x| matches!(x, Cell::Unchanged)));
-            match held.class(&c.cache_key).filter(|_| unchanged) {
+            let class = held_key(&batch[i])
+                .filter(|_| leaves_unchanged(&c))
+                .and_then(|k| {
+                    held.class(&k).or_else(|| {
+                        earlier
+                            .iter()
+                            .find(|(j, e, _)| *j < i && *e == k)
+                            .map(|(_, _, class)| *class)
+                    })
+                });
+            match class {
                 Some(class) => {
-                    dead.push((
-                        i,
-                        Failure {
-                            class,
-                            error: "held behind an open dead letter of the same key: this change \
-                                    leaves TOASTed columns unchanged, which the earlier change may \
-                                    have set; replay it after that one"
-                                .into(),
-                            position: Some(c.position),
-                        },
-                    ));
+                    dead.push((i, held_failure(class, &c)));
                     None
                 }
                 None => Some((i, c)),
@@ -263,11 +292,17 @@ fn hold_back(
         .collect()
 }
 
-/// Remembers the keys of dead-lettered changes (see [`Held`]).
-fn remember(state: &State, keys: impl IntoIterator<Item = (String, &'static str)>) {
-    if let Some(Ok(mut held)) = state.held.as_ref().map(|h| h.lock()) {
-        for (k, class) in keys {
-            held.add(&k, class);
+/// Remembers the keys of dead-lettered records (see [`Held`]).
+fn remember<'a>(
+    state: &State,
+    records: impl IntoIterator<Item = (&'a rdkafka::message::OwnedMessage, &'static str)>,
+) {
+    if let Some(held) = state.held.as_ref() {
+        let mut held = lock_held(held);
+        for (m, class) in records {
+            if let Some(k) = held_key(m) {
+                held.local.insert(k, (class, Instant::now()));
+            }
         }
     }
 }
@@ -1134,14 +1169,14 @@ async fn quarantine_batch(
         };
         // A record that could not be applied anyway keeps its own class.
         let f = match state.decode(m.topic(), value).await {
-            Ok(c) => {
-                remember(state, [(c.cache_key.clone(), class.as_str())]);
-                outage(Some(c.position))
-            }
+            Ok(c) => outage(Some(c.position)),
             Err(f) if f.class == REGISTRY_UNAVAILABLE => outage(None),
             Err(f) => f,
         };
         dead_letters.send_after(m, &f, attempts).await?;
+        // Only once the dead letter is durable: a round's refresh must
+        // find it in the store when it drops this entry.
+        remember(state, [(m, f.class)]);
         n += 1;
     }
     Ok(n)
@@ -1162,7 +1197,7 @@ async fn apply_batch(
     batch: &[rdkafka::message::OwnedMessage],
 ) -> Result<Tally, MaterializeError> {
     let (changes, mut dead) = decode_batch(state, &*db, batch).await?;
-    let changes = hold_back(state, changes, &mut dead);
+    let changes = hold_back(state, batch, changes, &mut dead);
     let mut keys: Vec<&str> = Vec::new();
     // Inserts of keys the Bloom filter never saw: one guarded statement.
     let mut fresh: HashSet<String> = HashSet::new();
@@ -1186,11 +1221,33 @@ async fn apply_batch(
             // Find the change(s) the view cannot take: one transaction each.
             tracing::warn!("a read model rejected this batch; applying it one change at a time (the change it rejects is dead-lettered with the error)");
             let mut total = Done::default();
+            // Keys refused so far: later changes of one that leave a
+            // column unchanged wait behind it (see [`Held`]).
+            let mut refused: HashMap<HeldKey, &'static str> = HashMap::new();
             for one in changes.chunks(1) {
+                let (i, change) = &one[0];
+                if let Some(class) = held_key(&batch[*i])
+                    .filter(|_| state.held.is_some() && leaves_unchanged(change))
+                    .and_then(|k| refused.get(&k).copied())
+                {
+                    let f = held_failure(class, change);
+                    dead_letters.send(&batch[*i], &f).await?;
+                    total.dead.push((*i, f));
+                    continue;
+                }
                 match apply_with_retry(state, db, dead_letters, batch, one, &lookups).await {
-                    Ok(done) => total.add(done),
+                    Ok(done) => {
+                        for (j, f) in &done.dead {
+                            if let Some(k) = held_key(&batch[*j]) {
+                                refused.insert(k, f.class);
+                            }
+                        }
+                        total.add(done)
+                    }
                     Err(MaterializeError::ViewRejected { class, error }) => {
-                        let (i, change) = &one[0];
+                        if let Some(k) = held_key(&batch[*i]) {
+                            refused.insert(k, class);
+                        }
                         let f = Failure {
                             class,
                             error,
@@ -1209,17 +1266,8 @@ async fn apply_batch(
         Err(e) => return Err(e),
     };
     dead.append(&mut done.dead);
-    // Keys of changes the target refused, and of those held back.
-    let keys: Vec<(String, &'static str)> = dead
-        .iter()
-        .filter_map(|(i, f)| {
-            changes
-                .iter()
-                .find(|(j, _)| j == i)
-                .map(|(_, c)| (c.cache_key.clone(), f.class))
-        })
-        .collect();
-    remember(state, keys);
+    // Keys of what was dead-lettered (durable by now), decodable or not.
+    remember(state, dead.iter().map(|(i, f)| (&batch[*i], f.class)));
     state.fast.committed(&done.committed).await?;
     metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
     metrics::counter!(observe::MATERIALIZE_BLOOM_SKIPS).increment(done.bloom_skips);
@@ -1357,17 +1405,28 @@ async fn apply_in(
     lookups: &Lookups,
     careful: bool,
 ) -> Result<Done, MaterializeError> {
+    let state_holds = state.held.is_some();
     let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
     let mut dead: Vec<(usize, Failure)> = Vec::new();
     let mut committed: Vec<(String, mirror::Position)> = Vec::new();
     let (mut fast_hits, mut bloom_skips) = (0u64, 0u64);
     let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
     let (mut applied, mut duplicates) = (0u64, 0u64);
+    // Keys refused in this batch: a later change of one that leaves a
+    // column unchanged waits behind it (see [`Held`]).
+    let mut refused: HashMap<HeldKey, &'static str> = HashMap::new();
     for (i, change) in changes {
         let topic = batch[*i].topic();
         let Some(m) = mirrors.get(topic) else {
             continue;
         };
+        if let Some(class) = held_key(&batch[*i])
+            .filter(|_| state_holds && leaves_unchanged(change))
+            .and_then(|k| refused.get(&k).copied())
+        {
+            dead.push((*i, held_failure(class, change)));
+            continue;
+        }
         let cache_key = &change.cache_key;
         // The fast tier can only say "applied"; everything else is checked
         // against the durable positions below.
@@ -1450,6 +1509,9 @@ async fn apply_in(
                         }
                         _ => class,
                     };
+                    if let Some(k) = held_key(&batch[*i]) {
+                        refused.insert(k, class);
+                    }
                     dead.push((
                         *i,
                         Failure {

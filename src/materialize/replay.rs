@@ -117,30 +117,30 @@ impl Replayer {
         &mut self.db
     }
 
-    /// The dedup keys of every open dead letter's change, with its class
-    /// (for [`super::Held`]).
-    pub async fn open_keys(&mut self) -> Result<HashMap<String, &'static str>, MaterializeError> {
-        let open = store::list(
-            &self.db,
-            &store::Filter {
-                states: vec![
-                    DlqState::Quarantined,
-                    DlqState::UnderReview,
-                    DlqState::SchemaCheck,
-                    DlqState::IdempotencyCheck,
-                ],
-                ..store::Filter::default()
-            },
-        )
-        .await
-        .map_err(|e| MaterializeError::DeadLetter(e.to_string()))?;
-        let mut keys = HashMap::new();
-        for m in open {
-            if let Ok(Some(c)) = self.change(&m, false).await {
-                keys.insert(c.cache_key, m.class.as_str());
-            }
-        }
-        Ok(keys)
+    /// The Kafka keys of every open dead letter, with its class (for
+    /// [`super::Held`]).
+    pub async fn open_keys(
+        &mut self,
+    ) -> Result<HashMap<super::HeldKey, &'static str>, MaterializeError> {
+        let rows = self
+            .db
+            .query(
+                "SELECT origin_topic, key, class FROM pgcdc_dlq.messages
+                 WHERE key IS NOT NULL AND state NOT IN ('replayed', 'archived')",
+                &[],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| {
+                let class = crate::dlq::Class::parse(r.get(2))
+                    .unwrap_or(crate::dlq::Class::Deserialization);
+                (
+                    (r.get::<_, String>(0), r.get::<_, Vec<u8>>(1)),
+                    class.as_str(),
+                )
+            })
+            .collect())
     }
 
     pub async fn schema_check(
@@ -226,7 +226,8 @@ impl Replayer {
         m: &DeadLetter,
         mapped: bool,
     ) -> Result<Option<bool>, MaterializeError> {
-        self.evolve(m).await?;
+        // No evolve: the position and key need no new column, and a dry
+        // run changes nothing.
         let change = match self.change(m, mapped).await {
             Ok(Some(c)) => c,
             Ok(None) => return Ok(None),
