@@ -913,6 +913,20 @@ async fn an_auto_replay_policy_keeps_to_its_class_and_window_and_still_checks() 
     let with_replay = ConfigFile::write(&format!(
         "{base}\n[dlq.policies.maint]\naction = \"replay\"\nclasses = [\"sink_unavailable\"]\nfrom = \"{from}\"\nuntil = \"{until}\"\n"
     ));
+    // A round that approved one and stopped before replaying it (the
+    // registry down, a crash): the next round takes it up again.
+    let before = list(&config, &[]).await;
+    let interrupted = before[6]["id"].as_i64().expect("id");
+    target
+        .execute(
+            "WITH m AS (UPDATE pgcdc_dlq.messages SET state = 'schema_check' WHERE id = $1 RETURNING id)
+             INSERT INTO pgcdc_dlq.audit (message_id, from_state, to_state, actor, reason)
+             SELECT id, f, t, 'auto:maint', 'an interrupted round'
+             FROM m, (VALUES ('quarantined', 'under_review'), ('under_review', 'schema_check')) v (f, t)",
+            &[&interrupted],
+        )
+        .await
+        .expect("interrupt");
     let run = dlq_cmd(&with_replay, "enforce", &[]).await;
     assert_eq!(run.code, 0, "{}", run.all_output());
     assert!(

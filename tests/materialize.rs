@@ -102,7 +102,9 @@ pub(crate) async fn wait_converged(
         // Target tables appear once the materializer has started.
         let ready = target
             .query_one(
-                "SELECT to_regclass('read_models.customer_stats') IS NOT NULL",
+                // Both: read models are created one after the other.
+                "SELECT to_regclass('read_models.customer_stats') IS NOT NULL
+                    AND to_regclass('read_models.order_summary') IS NOT NULL",
                 &[],
             )
             .await

@@ -391,6 +391,31 @@ pub async fn enforce(
         },
         ..PolicyRound::default()
     };
+    // What a policy approved in an earlier round but could not replay
+    // (the registry down, say): taken up again under the same policy.
+    for (id, actor) in store::approved_by(&*replayer.db(), "auto:").await? {
+        let still = actor.strip_prefix("auto:").is_some_and(|name| {
+            config
+                .dlq
+                .policies
+                .get(name)
+                .is_some_and(|p| p.action == crate::config::DlqAction::Replay)
+        });
+        if !still {
+            continue;
+        }
+        let filter = Filter {
+            ids: vec![id],
+            ..Filter::default()
+        };
+        match replay(replayer, &filter, &actor, dry_run).await {
+            Ok(s) => add_replays(&mut round, &actor, s),
+            Err(e) => {
+                tracing::warn!(id, error = %e, "a policy could not resume this dead letter; the round goes on");
+                round.failed.push((id, e.to_string()));
+            }
+        }
+    }
     for m in &quarantined {
         let subject = policy::Subject {
             state: m.state,
@@ -469,6 +494,11 @@ async fn apply_decision(
         metrics::counter!(crate::observe::DLQ_POLICY_ACTIONS, "policy" => policy.clone(), "action" => "replay")
             .increment(s.replayed + s.already_applied);
     }
+    add_replays(round, &actor, s);
+    Ok(())
+}
+
+fn add_replays(round: &mut PolicyRound, actor: &str, s: Summary) {
     let r = &mut round.replayed;
     r.messages += s.messages;
     r.already_applied += s.already_applied;
@@ -476,12 +506,14 @@ async fn apply_decision(
     r.replayed += s.replayed;
     r.refailed += s.refailed;
     // A dry run counts them as not approved; the policy would approve them.
+    if !s.dry_run {
+        r.waiting += s.waiting;
+    }
     r.lines.extend(
         s.lines
             .into_iter()
             .map(|l| format!("{actor}: {l}").replace("not approved; ", "")),
     );
-    Ok(())
 }
 
 /// The health figures at `now_ms`.

@@ -233,6 +233,26 @@ pub async fn list(db: &impl GenericClient, f: &Filter) -> Result<Vec<DeadLetter>
     Ok(found)
 }
 
+/// Approved messages (`schema_check`, `idempotency_check`) whose last
+/// transition was by an actor starting with `prefix`, oldest first.
+pub async fn approved_by(
+    db: &impl GenericClient,
+    prefix: &str,
+) -> Result<Vec<(i64, String)>, StoreError> {
+    let rows = db
+        .query(
+            "SELECT m.id, a.actor FROM pgcdc_dlq.messages m
+             JOIN LATERAL (SELECT actor FROM pgcdc_dlq.audit WHERE message_id = m.id
+                           ORDER BY id DESC LIMIT 1) a ON true
+             WHERE m.state IN ('schema_check', 'idempotency_check')
+               AND starts_with(a.actor, $1)
+             ORDER BY m.dlq_partition, m.dlq_offset",
+            &[&prefix],
+        )
+        .await?;
+    Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+}
+
 /// Open dead letters of the same key (origin topic and Kafka key) older
 /// than `m` in the topic.
 pub async fn older_open(db: &impl GenericClient, m: &DeadLetter) -> Result<Vec<i64>, StoreError> {
