@@ -37,7 +37,7 @@ use pgwire_replication::{Lsn as WireLsn, ReplicationClient, ReplicationConfig, R
 use tokio_postgres::Client;
 
 use crate::config::{split_table, Config, SnapshotMode};
-use crate::dlq::record::{split, Part, Quarantine};
+use crate::dlq::record::Quarantine;
 use crate::dlq::{classify, Class, Fault, Verdict};
 use crate::encode::types::{Input, SESSION_SETTINGS};
 use crate::encode::{
@@ -292,27 +292,19 @@ impl Output {
         let dlq = crate::materialize::dlq_topic(&self.config);
         // Created when first needed (quarantines are rare).
         sink::ensure_dlq_topic(&self.config.kafka, &dlq).await?;
-        let parts = split(
+        let origin = format!(
+            "{topic}@{}:{}:{}",
+            src.position.commit_lsn,
+            src.position.seq,
+            op.code()
+        );
+        let records = q.records(
             value,
             key.map_or(0, <[u8]>::len),
             self.config.kafka.max_message_bytes,
+            &origin,
         );
-        // Unique per event and per split: a resend with other limits
-        // never mixes with this one's parts.
-        let count = parts.len();
-        let id = format!(
-            "{topic}@{}:{}:{}/{count}x{}",
-            src.position.commit_lsn,
-            src.position.seq,
-            op.code(),
-            value.len()
-        );
-        for (i, part) in parts.into_iter().enumerate() {
-            let headers = q.headers((count > 1).then_some(Part {
-                index: i + 1,
-                count,
-                id: &id,
-            }));
+        for (headers, part) in records {
             let f = self
                 .producer
                 .send_with_headers(&dlq, key, Some(part), headers)

@@ -89,9 +89,39 @@ impl Quarantine<'_> {
     }
 }
 
+impl Quarantine<'_> {
+    /// The dead-letter records of `value`: one, or parts that fit
+    /// `max_message_bytes` beside a key of `key_len` bytes, each with its
+    /// headers. The part id is `origin` with the count and length, so a
+    /// resend split another way never mixes with these parts.
+    pub fn records<'v>(
+        &self,
+        value: &'v [u8],
+        key_len: usize,
+        max_message_bytes: usize,
+        origin: &str,
+    ) -> Vec<(OwnedHeaders, &'v [u8])> {
+        let parts = split(value, key_len, max_message_bytes);
+        let count = parts.len();
+        let id = format!("{origin}/{count}x{}", value.len());
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, part)| {
+                let headers = self.headers((count > 1).then_some(Part {
+                    index: i + 1,
+                    count,
+                    id: &id,
+                }));
+                (headers, part)
+            })
+            .collect()
+    }
+}
+
 /// `value` in parts that fit `max_message_bytes` beside a key of
 /// `key_len` bytes; one part when it fits whole.
-pub fn split(value: &[u8], key_len: usize, max_message_bytes: usize) -> Vec<&[u8]> {
+fn split(value: &[u8], key_len: usize, max_message_bytes: usize) -> Vec<&[u8]> {
     let room = max_message_bytes
         .saturating_sub(key_len + PART_OVERHEAD)
         .max(1024);

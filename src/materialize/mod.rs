@@ -250,6 +250,18 @@ fn held_key(m: &rdkafka::message::OwnedMessage) -> Option<HeldKey> {
     m.key().map(|k| (m.topic().to_string(), k.to_vec()))
 }
 
+/// The class a change is held behind when it leaves a column unchanged and
+/// its key was refused earlier in the batch.
+fn held_in(
+    refused: &HashMap<HeldKey, &'static str>,
+    m: &rdkafka::message::OwnedMessage,
+    c: &Change,
+) -> Option<&'static str> {
+    held_key(m)
+        .filter(|_| leaves_unchanged(c))
+        .and_then(|k| refused.get(&k).copied())
+}
+
 /// Moves to `dead` every change that leaves a column unchanged while its
 /// key has an open dead letter; returns the others.
 fn hold_back(
@@ -1226,9 +1238,8 @@ async fn apply_batch(
             let mut refused: HashMap<HeldKey, &'static str> = HashMap::new();
             for one in changes.chunks(1) {
                 let (i, change) = &one[0];
-                if let Some(class) = held_key(&batch[*i])
-                    .filter(|_| state.held.is_some() && leaves_unchanged(change))
-                    .and_then(|k| refused.get(&k).copied())
+                if let Some(class) =
+                    held_in(&refused, &batch[*i], change).filter(|_| state.held.is_some())
                 {
                     let f = held_failure(class, change);
                     dead_letters.send(&batch[*i], &f).await?;
@@ -1420,10 +1431,7 @@ async fn apply_in(
         let Some(m) = mirrors.get(topic) else {
             continue;
         };
-        if let Some(class) = held_key(&batch[*i])
-            .filter(|_| state_holds && leaves_unchanged(change))
-            .and_then(|k| refused.get(&k).copied())
-        {
+        if let Some(class) = held_in(&refused, &batch[*i], change).filter(|_| state_holds) {
             dead.push((*i, held_failure(class, change)));
             continue;
         }
@@ -1644,26 +1652,20 @@ impl DeadLetters<'_> {
         };
         // Only a replayed oversized change can be too large here.
         let value = m.payload().unwrap_or_default();
-        let parts = crate::dlq::record::split(
-            value,
-            m.key().map_or(0, <[u8]>::len),
-            self.max_message_bytes,
-        );
-        let count = parts.len();
-        let id = format!(
-            "{}/{}/{}/replay{}/{count}x{}",
+        let origin = format!(
+            "{}/{}/{}/replay{}",
             m.topic(),
             m.partition(),
             m.offset(),
-            self.replay_of.unwrap_or_default(),
-            value.len()
+            self.replay_of.unwrap_or_default()
         );
-        for (i, part) in parts.into_iter().enumerate() {
-            let headers = q.headers((count > 1).then_some(crate::dlq::record::Part {
-                index: i + 1,
-                count,
-                id: &id,
-            }));
+        let records = q.records(
+            value,
+            m.key().map_or(0, <[u8]>::len),
+            self.max_message_bytes,
+            &origin,
+        );
+        for (headers, part) in records {
             let payload = m.payload().map(|_| part);
             let f = producer
                 .send_with_headers(self.topic, m.key(), payload, headers)
