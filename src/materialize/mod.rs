@@ -659,6 +659,23 @@ struct Prepared {
 /// mirror of every captured table (from its subjects' latest schemas),
 /// every declared read model's table, and indexes on view key columns.
 async fn prepare(config: &Config, db: &Client) -> Result<Prepared, MaterializeError> {
+    // `IF NOT EXISTS` is no guard against a concurrent CREATE (two
+    // instances starting together collide in pg_type): one at a time.
+    db.execute("SELECT pg_advisory_lock($1)", &[&PREPARE_LOCK])
+        .await?;
+    let prepared = prepare_locked(config, db).await;
+    let unlocked = db
+        .execute("SELECT pg_advisory_unlock($1)", &[&PREPARE_LOCK])
+        .await;
+    let prepared = prepared?;
+    unlocked?;
+    Ok(prepared)
+}
+
+/// Serializes [`prepare`] across processes on one target.
+const PREPARE_LOCK: i64 = 0x7067_6364_7072_6570; // "pgcdcprep"
+
+async fn prepare_locked(config: &Config, db: &Client) -> Result<Prepared, MaterializeError> {
     let target = config
         .target
         .as_ref()
