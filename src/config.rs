@@ -102,6 +102,89 @@ pub struct Config {
     pub retention: RetentionConfig,
     #[serde(default)]
     pub dlq: DlqConfig,
+    /// Captured tables whose rows are domain events (an event store or an
+    /// outbox), keyed by `schema.table`: their inserts go to domain-event
+    /// topics instead of a changelog topic.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub outbox: BTreeMap<String, OutboxConfig>,
+}
+
+/// Routing of an event store or outbox table (Debezium's outbox event
+/// router, in the connector). Each insert (and each snapshot row) becomes
+/// one record: key = the `key` column's text, value = the `payload`
+/// column's text (JSON for jsonb), headers = the `headers` columns. Updates
+/// and deletes are not events: they are counted and skipped.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutboxConfig {
+    /// The column whose value picks the topic (Debezium's `route.by.field`).
+    /// Route by the aggregate type to keep a stream in one topic, and so in
+    /// order; routed by event type, a stream spans topics.
+    #[serde(default = "default_outbox_route_by")]
+    pub route_by: String,
+    /// The topic; `{prefix}` is `kafka.topic_prefix`, `{route}` the route
+    /// column's value.
+    #[serde(default = "default_outbox_topic")]
+    pub topic: String,
+    /// The column that keys records (the stream or aggregate id), so that a
+    /// stream stays in one partition, in order.
+    #[serde(default = "default_outbox_key")]
+    pub key: String,
+    /// The column that becomes the record value.
+    #[serde(default = "default_outbox_payload")]
+    pub payload: String,
+    /// Columns copied into record headers, under their own names (NULL
+    /// gives a header without a value).
+    #[serde(default = "default_outbox_headers")]
+    pub headers: Vec<String>,
+}
+
+fn default_outbox_route_by() -> String {
+    "stream_type".into()
+}
+fn default_outbox_topic() -> String {
+    "{prefix}.events.{route}".into()
+}
+fn default_outbox_key() -> String {
+    "stream_id".into()
+}
+fn default_outbox_payload() -> String {
+    "payload".into()
+}
+fn default_outbox_headers() -> Vec<String> {
+    [
+        "global_position",
+        "event_id",
+        "stream_type",
+        "stream_id",
+        "version",
+        "event_type",
+        "schema_version",
+        "metadata",
+        "recorded_at",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+impl OutboxConfig {
+    /// The topic of an event whose route column holds `route`, or why that
+    /// value cannot name a topic.
+    pub fn topic_for(&self, prefix: &str, route: &str) -> Result<String, String> {
+        let topic = self
+            .topic
+            .replace("{prefix}", prefix)
+            .replace("{route}", route);
+        if is_topic_name(&topic) {
+            Ok(topic)
+        } else {
+            Err(format!(
+                "the {} value does not make a valid Kafka topic name ({} characters of a-z, A-Z, 0-9, '.', '_', '-' at most 200)",
+                self.route_by,
+                topic.len()
+            ))
+        }
+    }
 }
 
 /// The dead-letter workflow (`pgcdc dlq`, and what `pgcdc materialize`
@@ -973,6 +1056,56 @@ impl Config {
                 }
             }
         }
+        for (table, o) in &self.outbox {
+            let base = format!("outbox.\"{table}\"");
+            v.check(
+                self.source.tables.contains(table),
+                &base,
+                "is not one of source.tables",
+            );
+            let probe = o
+                .topic
+                .replace("{prefix}", &self.kafka.topic_prefix)
+                .replace("{route}", "r");
+            v.check(
+                is_topic_name(&probe)
+                    && !o
+                        .topic
+                        .replace("{prefix}", "")
+                        .replace("{route}", "")
+                        .contains(['{', '}']),
+                &format!("{base}.topic"),
+                "must be a Kafka topic name; {prefix} and {route} are the only placeholders",
+            );
+            for (field, column) in [
+                ("route_by", &o.route_by),
+                ("key", &o.key),
+                ("payload", &o.payload),
+            ] {
+                v.check(
+                    !column.is_empty(),
+                    &format!("{base}.{field}"),
+                    "must name a column",
+                );
+            }
+            let mut seen = BTreeSet::new();
+            for (i, h) in o.headers.iter().enumerate() {
+                v.check(
+                    !h.is_empty() && seen.insert(h.as_str()),
+                    &format!("{base}.headers[{i}]"),
+                    "must name a column, once",
+                );
+            }
+            for (name, rm) in &self.read_models {
+                for (i, s) in rm.sources.iter().enumerate() {
+                    v.check(
+                        &s.table != table,
+                        &format!("read_models.{name}.sources[{i}].table"),
+                        "is an outbox table: it has domain-event topics, no changelog to mirror",
+                    );
+                }
+            }
+        }
         for (table, m) in &d.mappings {
             let base = format!("dlq.mappings.\"{table}\"");
             v.check(
@@ -1003,6 +1136,15 @@ impl Config {
                     .join(", ")
             )
         })
+    }
+
+    /// The captured tables that have a changelog topic (all but the
+    /// outbox tables).
+    pub fn changelog_tables(&self) -> impl Iterator<Item = &String> {
+        self.source
+            .tables
+            .iter()
+            .filter(|t| !self.outbox.contains_key(*t))
     }
 
     /// The changelog topic of a captured table.
@@ -1226,6 +1368,53 @@ url = "http://127.0.0.1:8081"
         assert_eq!(c.kafka.partitions, DEFAULT_PARTITIONS);
         assert_eq!(c.topic_for("public.orders"), "shop.public.orders");
         Ok(())
+    }
+
+    #[test]
+    fn outbox_routing_is_validated_by_field_path() {
+        let ok = format!(
+            "{}\n[outbox.\"public.outbox\"]\nroute_by = \"aggregatetype\"\n",
+            MINIMAL.replace(
+                "[\"public.orders\"]",
+                "[\"public.orders\", \"public.outbox\"]"
+            )
+        );
+        let c = load(&ok, &[]).expect("valid outbox");
+        let o = &c.outbox["public.outbox"];
+        assert_eq!(o.key, "stream_id");
+        assert_eq!(
+            o.topic_for("shop", "payment"),
+            Ok("shop.events.payment".to_string())
+        );
+        assert!(
+            o.topic_for("shop", "a b").is_err(),
+            "a space makes no topic name"
+        );
+        assert_eq!(
+            c.changelog_tables().collect::<Vec<_>>(),
+            vec!["public.orders"]
+        );
+
+        let missing = format!("{MINIMAL}\n[outbox.\"public.events\"]\n");
+        assert_eq!(
+            load(&missing, &[]).err().map(paths),
+            Some(vec!["outbox.\"public.events\"".to_string()])
+        );
+        let placeholder = ok.replace("route_by = \"aggregatetype\"", "topic = \"x.{type}\"");
+        assert_eq!(
+            load(&placeholder, &[]).err().map(paths),
+            Some(vec!["outbox.\"public.outbox\".topic".to_string()])
+        );
+        let mirrored = format!(
+            "{ok}\n[read_models.m]\ntable = \"rm.m\"\nkey = [\"id\"]\nquery = \"SELECT 1 AS id\"\nsources = [{{ table = \"public.outbox\", key_columns = [\"id\"] }}]\n"
+        );
+        assert!(
+            load(&mirrored, &[])
+                .err()
+                .map(paths)
+                .is_some_and(|p| p.contains(&"read_models.m.sources[0].table".to_string())),
+            "an outbox table has no changelog to mirror"
+        );
     }
 
     #[test]

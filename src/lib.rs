@@ -12,11 +12,13 @@ pub mod config;
 pub mod connector;
 pub mod dlq;
 pub mod encode;
+pub mod event_store;
 pub mod exit;
 pub mod materialize;
 pub mod observe;
 pub mod offsets;
 pub mod preflight;
+pub mod projection;
 pub mod registry;
 pub mod retention;
 pub mod secret;
@@ -24,6 +26,8 @@ pub mod sink;
 pub mod snapshot_marker;
 pub mod source;
 pub mod tail;
+#[cfg(feature = "testkit")]
+pub mod testkit;
 
 /// Resolves on SIGINT or SIGTERM: the one shutdown trigger of every
 /// long-running command.

@@ -64,6 +64,10 @@ pub const SLOT_SAFE_WAL_SIZE_BYTES: &str = "pgcdc_slot_safe_wal_size_bytes";
 pub const RETENTION_CHECK_ERRORS: &str = "pgcdc_retention_check_errors_total";
 /// Changes the connector quarantined, by class.
 pub const CONNECTOR_QUARANTINED: &str = "pgcdc_connector_quarantined_total";
+/// Domain events routed from outbox tables, by table and topic.
+pub const OUTBOX_EVENTS: &str = "pgcdc_outbox_events_total";
+/// Outbox rows that are not events (updates, deletes, truncates), skipped.
+pub const OUTBOX_SKIPPED: &str = "pgcdc_outbox_skipped_total";
 /// Dead letters by state and class.
 pub const DLQ_DEPTH: &str = "pgcdc_dlq_depth";
 /// Seconds the oldest open dead letter has waited.

@@ -336,7 +336,12 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
 
 /// Deletes every record below `offset` in one partition (what retention
 /// does to old segments).
-async fn delete_records(stack: &support::Stack, topic: &str, partition: i32, offset: i64) {
+pub(crate) async fn delete_records(
+    stack: &support::Stack,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+) {
     use rdkafka::admin::{AdminClient, AdminOptions};
     use rdkafka::client::DefaultClientContext;
     let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()

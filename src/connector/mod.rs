@@ -157,6 +157,8 @@ struct Output {
     producer: sink::Producer,
     acks: Arc<Acks>,
     db: Arc<str>,
+    /// Domain-event topics known to exist (outbox routing).
+    domain_topics: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 impl Output {
@@ -169,6 +171,10 @@ impl Output {
             lsn: Lsn(0),
             source,
         })?;
+        // Routed to domain-event topics: no changelog subjects.
+        if self.config.outbox.contains_key(&codec.desc.qualified()) {
+            return Ok(codec);
+        }
         let key_id = self
             .registry
             .register(&format!("{topic}-key"), &codec.key_schema)
@@ -202,6 +208,9 @@ impl Output {
         src: &SourceInfo<'_>,
     ) -> Result<(), RunError> {
         let table = codec.desc.qualified();
+        if let Some(outbox) = self.config.outbox.get(&table) {
+            return self.route(codec, outbox, op, after, src).await;
+        }
         let topic = self.config.topic_for(&table);
         let encode_err = |source| RunError::Encode {
             table: table.clone(),
@@ -256,6 +265,144 @@ impl Output {
             let f = self.producer.send(&topic, key.as_deref(), None).await?;
             self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         }
+        Ok(())
+    }
+
+    /// Routes a row of an outbox table to its domain-event topic: key =
+    /// the stream id, value = the payload, listed columns as headers, plus
+    /// `pgcdc.position` and `pgcdc.lsn`. Only inserts and snapshot rows
+    /// are events. A row that cannot be routed (NULL key or route, a route
+    /// that makes no topic name, too large) is quarantined like any change.
+    async fn route(
+        &self,
+        codec: &TableCodec,
+        outbox: &crate::config::OutboxConfig,
+        op: Op,
+        after: Option<&[Input<'_>]>,
+        src: &SourceInfo<'_>,
+    ) -> Result<(), RunError> {
+        let table = codec.desc.qualified();
+        let row = match (op, after) {
+            (Op::Create | Op::Read, Some(row)) => row,
+            _ => {
+                metrics::counter!(observe::OUTBOX_SKIPPED, "table" => table.clone(), "op" => op.code())
+                    .increment(1);
+                tracing::debug!(%table, op = op.code(), "outbox: not an insert, skipped");
+                return Ok(());
+            }
+        };
+        let column = |name: &str| {
+            codec
+                .desc
+                .columns
+                .iter()
+                .position(|c| c.name == name)
+                .map(|i| row.get(i).copied().unwrap_or(Input::Null))
+                .ok_or_else(|| {
+                    RunError::Config(format!(
+                        "outbox.\"{table}\": the table has no column {name}"
+                    ))
+                })
+        };
+        let text = |input: Input<'_>| match input {
+            Input::Text(t) => Some(t.to_vec()),
+            _ => None,
+        };
+        let key = text(column(&outbox.key)?);
+        let value = text(column(&outbox.payload)?);
+        let route = text(column(&outbox.route_by)?);
+        let mut headers = rdkafka::message::OwnedHeaders::new();
+        for h in &outbox.headers {
+            let v = text(column(h)?);
+            headers = headers.insert(rdkafka::message::Header {
+                key: h,
+                value: v.as_deref(),
+            });
+        }
+        let position = format!("{}:{}", src.position.commit_lsn, src.position.seq);
+        let lsn = Lsn(src.lsn).to_string();
+        headers = headers
+            .insert(rdkafka::message::Header {
+                key: "pgcdc.position",
+                value: Some(position.as_bytes()),
+            })
+            .insert(rdkafka::message::Header {
+                key: "pgcdc.lsn",
+                value: Some(lsn.as_bytes()),
+            });
+        fn refused(fault: Fault<'static>, error: String) -> (Fault<'static>, String) {
+            (fault, error)
+        }
+        let routed = match (&key, &value, &route) {
+            (None, _, _) => Err(refused(
+                Fault::Encode,
+                format!("the key column {} is NULL", outbox.key),
+            )),
+            (_, _, None) => Err(refused(
+                Fault::Encode,
+                format!("the route column {} is NULL", outbox.route_by),
+            )),
+            (Some(k), v, Some(r)) => {
+                let size = k.len() + v.as_ref().map_or(0, Vec::len);
+                match outbox.topic_for(&self.config.kafka.topic_prefix, &String::from_utf8_lossy(r))
+                {
+                    Err(e) => Err(refused(Fault::Encode, e)),
+                    Ok(_) if size > self.config.kafka.max_message_bytes => Err(refused(
+                        Fault::TooLarge,
+                        format!(
+                            "{size} bytes, over kafka.max_message_bytes ({})",
+                            self.config.kafka.max_message_bytes
+                        ),
+                    )),
+                    Ok(t) => Ok(t),
+                }
+            }
+        };
+        let topic = match routed {
+            Ok(t) => t,
+            Err((fault, error)) => {
+                let Verdict::Quarantine(class) = classify(&fault) else {
+                    return Err(RunError::Config(format!("outbox.\"{table}\": {error}")));
+                };
+                let origin = self.config.topic_for(&table);
+                return self
+                    .quarantine(
+                        &origin,
+                        op,
+                        class,
+                        &error,
+                        key.as_deref(),
+                        value.as_deref().unwrap_or_default(),
+                        src,
+                    )
+                    .await;
+            }
+        };
+        self.ensure_domain_topic(&topic).await?;
+        metrics::counter!(observe::OUTBOX_EVENTS, "table" => table.clone(), "topic" => topic.clone())
+            .increment(1);
+        let f = self
+            .producer
+            .send_with_headers(&topic, key.as_deref(), value.as_deref(), headers)
+            .await?;
+        self.acks.delivery(f).await.map_err(RunError::Delivery)
+    }
+
+    /// Creates a domain-event topic the first time it is routed to.
+    async fn ensure_domain_topic(&self, topic: &str) -> Result<(), RunError> {
+        if self
+            .domain_topics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(topic)
+        {
+            return Ok(());
+        }
+        sink::ensure_topics(&self.config.kafka, &[topic.to_string()]).await?;
+        self.domain_topics
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(topic.to_string());
         Ok(())
     }
 
@@ -407,9 +554,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     let sql = source::connect(&config.source.url).await?;
     slot::ensure_publication(&sql, &config).await?;
     let topics: Vec<String> = config
-        .source
-        .tables
-        .iter()
+        .changelog_tables()
         .map(|t| config.topic_for(t))
         .collect();
     sink::ensure_topics(&config.kafka, &topics).await?;
@@ -500,6 +645,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         acks: Arc::new(Acks::start(initial_confirmed, MAX_IN_FLIGHT)),
         db: Arc::from(db.as_str()),
         config: config.clone(),
+        domain_topics: Default::default(),
     };
 
     let mut repl = ReplicationClient::connect_gated(replication_config(&config)?).await?;
@@ -751,7 +897,8 @@ async fn plan_table(
     let n = (estimate / chunk_rows).ceil().max(1.0) as i64;
     let qualified = format!("{}.{}", slot::quote_ident(schema), slot::quote_ident(name));
     let mut chunks = vec![None];
-    if n > 1 {
+    // An outbox table is copied whole and in key order (see copy_chunk).
+    if n > 1 && !output.config.outbox.contains_key(table) {
         let int_key: Vec<&ColumnDesc> = desc.columns.iter().filter(|c| c.key).collect();
         chunks = match int_key.as_slice() {
             [key] if matches!(key.type_oid, 20 | 21 | 23) => {
@@ -1038,8 +1185,26 @@ async fn copy_chunk(
             message: "its columns changed during the snapshot (DDL); the next start takes the snapshot again".into(),
         });
     }
+    // Events of a stream keep their order: an outbox table's rows go out
+    // in key order (insertion order for an identity key), in one chunk.
+    let order = if output.config.outbox.contains_key(&table) {
+        let keys: Vec<String> = codec
+            .desc
+            .columns
+            .iter()
+            .filter(|c| c.key)
+            .map(|c| slot::quote_ident(&c.name))
+            .collect();
+        if keys.is_empty() {
+            String::new()
+        } else {
+            format!(" ORDER BY {}", keys.join(", "))
+        }
+    } else {
+        String::new()
+    };
     let copy = format!(
-        "COPY (SELECT {columns} FROM {qualified}{}) TO STDOUT",
+        "COPY (SELECT {columns} FROM {qualified}{}{order}) TO STDOUT",
         condition.map(|c| format!(" WHERE {c}")).unwrap_or_default()
     );
     let stream = client.copy_out(&copy).await?;
@@ -1244,7 +1409,10 @@ async fn stream(
                     sql.execute("SELECT pg_logical_emit_message(false, 'pgcdc.heartbeat', '')", &[])
                         .await?;
                 }
-                stall.check(sql, &src.slot, *confirmed.borrow()).await;
+                // Copied out: a watch guard held across the query would
+                // block the acknowledgements' sender meanwhile.
+                let now_confirmed = *confirmed.borrow();
+                stall.check(sql, &src.slot, now_confirmed).await;
             }
             r = failed.changed() => {
                 if r.is_ok() {

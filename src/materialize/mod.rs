@@ -688,8 +688,9 @@ async fn prepare_locked(config: &Config, db: &Client) -> Result<Prepared, Materi
     .await?;
     let registry = RegistryClient::new(&config.registry)?;
     let mut mirrors = HashMap::new();
-    let names = mirror::mirror_names(&config.source.tables);
-    for (table, name) in config.source.tables.iter().zip(&names) {
+    let tables: Vec<String> = config.changelog_tables().cloned().collect();
+    let names = mirror::mirror_names(&tables);
+    for (table, name) in tables.iter().zip(&names) {
         let m = mirror_for(&registry, config, table, &target.mirror_schema, name).await?;
         m.ensure(db).await?;
         mirrors.insert(config.topic_for(table), m);

@@ -151,7 +151,7 @@ pub async fn gather(
         }
     }
     if only.is_none() {
-        for t in &config.source.tables {
+        for t in config.changelog_tables() {
             if !tables.contains(t) {
                 tables.push(t.clone());
             }

@@ -1,0 +1,561 @@
+//! A kit for integration tests against a real stack (feature `testkit`):
+//! attach to (or bring up) the stack, run a pipeline in-process, wait until
+//! its read models have caught up with a source LSN, and compare two read
+//! models with a readable diff.
+//!
+//! Guarantees:
+//! - **No sleeps stand in for conditions.** [`Pipeline::wait_caught_up`]
+//!   returns once the slot confirmed the LSN (Kafka holds every change up
+//!   to it) and every consumer group of the pipeline committed offsets up
+//!   to the topics' end offsets taken after that (its read model applied
+//!   them); it polls those conditions and fails with what is missing after
+//!   its timeout, or as soon as a part of the pipeline has failed.
+//! - **A diff names rows by key** and the columns that differ.
+//!
+//! ```text
+//!  write ──► current_lsn ──► wait_caught_up: slot confirmed ≥ lsn ──► end offsets ──► groups committed ≥ end offsets
+//! ```
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Write as _};
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio_postgres::Client;
+
+use crate::config::{Config, KafkaConfig};
+use crate::projection::{Projection, Upcasters};
+use crate::secret::Dsn;
+use crate::{sink, source};
+
+/// How often a wait looks again.
+const POLL: Duration = Duration::from_millis(100);
+
+#[derive(Debug, thiserror::Error)]
+pub enum KitError {
+    #[error("stack: {0}")]
+    Stack(String),
+    #[error("not caught up after {waited:?}: {missing}")]
+    Timeout { waited: Duration, missing: String },
+    #[error("{part} stopped: {error}")]
+    Stopped { part: String, error: String },
+    #[error("postgres: {}", source::error_text(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+    #[error("kafka: {0}")]
+    Kafka(#[from] rdkafka::error::KafkaError),
+}
+
+/// Connection settings of a stack, as `scripts/stack env` exports them.
+#[derive(Debug, Clone)]
+pub struct Stack {
+    pub source_url: String,
+    pub target_url: String,
+    pub brokers: String,
+    pub registry_url: String,
+}
+
+impl Stack {
+    /// Attaches to the stack named by `PGCDC_SOURCE_URL`,
+    /// `PGCDC_TARGET_URL`, `PGCDC_KAFKA_BROKERS` and `PGCDC_REGISTRY_URL`.
+    pub fn from_env() -> Result<Stack, KitError> {
+        Stack::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Brings up the local stack with `<repo>/scripts/stack up` (a no-op
+    /// for what already runs) and attaches to it.
+    pub fn up(repo: &Path) -> Result<Stack, KitError> {
+        let script = repo.join("scripts/stack");
+        let up = std::process::Command::new(&script)
+            .arg("up")
+            .status()
+            .map_err(|e| KitError::Stack(format!("{}: {e}", script.display())))?;
+        if !up.success() {
+            return Err(KitError::Stack(format!(
+                "scripts/stack up exited with {up}"
+            )));
+        }
+        let env = std::process::Command::new(&script)
+            .arg("env")
+            .output()
+            .map_err(|e| KitError::Stack(format!("{}: {e}", script.display())))?;
+        let text = String::from_utf8_lossy(&env.stdout).into_owned();
+        let vars = parse_exports(&text);
+        Stack::from_lookup(|name| vars.get(name).cloned())
+    }
+
+    fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Stack, KitError> {
+        let var = |name: &str| {
+            get(name).ok_or_else(|| {
+                KitError::Stack(format!(
+                    "{name} is not set: run `scripts/stack up && eval \"$(scripts/stack env)\"`, or use Stack::up"
+                ))
+            })
+        };
+        Ok(Stack {
+            source_url: var("PGCDC_SOURCE_URL")?,
+            target_url: var("PGCDC_TARGET_URL")?,
+            brokers: var("PGCDC_KAFKA_BROKERS")?,
+            registry_url: var("PGCDC_REGISTRY_URL")?,
+        })
+    }
+}
+
+/// `export NAME=value` lines (values optionally single-quoted).
+fn parse_exports(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("export "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| {
+            let v = v.trim();
+            let v = v
+                .strip_prefix('\'')
+                .and_then(|v| v.strip_suffix('\''))
+                .or_else(|| v.strip_prefix('"').and_then(|v| v.strip_suffix('"')))
+                .unwrap_or(v);
+            (k.to_string(), v.to_string())
+        })
+        .collect()
+}
+
+/// The WAL insert position: wait for it after a write to see that write.
+pub async fn current_lsn(client: &Client) -> Result<String, KitError> {
+    Ok(client
+        .query_one("SELECT pg_current_wal_insert_lsn()::text", &[])
+        .await?
+        .get(0))
+}
+
+struct Part {
+    name: String,
+    handle: JoinHandle<Result<(), String>>,
+    /// `None`: stopped by aborting the task (the connector and the
+    /// materializer stop on signals only; an abort loses nothing, the
+    /// slot and the group replay).
+    stop: Option<oneshot::Sender<()>>,
+    /// The consumer group and its topics, when it consumes.
+    group: Option<(String, Vec<String>)>,
+}
+
+/// A pipeline running in this process: the connector, the materializer
+/// (when the config has a target) and any projections.
+pub struct Pipeline {
+    config: Config,
+    parts: Vec<Part>,
+}
+
+impl fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let parts: Vec<&str> = self.parts.iter().map(|p| p.name.as_str()).collect();
+        f.debug_struct("Pipeline")
+            .field("name", &self.config.name)
+            .field("parts", &parts)
+            .finish()
+    }
+}
+
+impl Pipeline {
+    /// Starts the connector and, when `config.target` is set, the
+    /// materializer, as tasks of the current runtime.
+    pub fn start(config: Config) -> Pipeline {
+        let mut parts = Vec::new();
+        let c = config.clone();
+        parts.push(Part {
+            name: "connector".into(),
+            handle: tokio::spawn(async move {
+                crate::connector::run(c).await.map_err(|e| e.to_string())
+            }),
+            stop: None,
+            group: None,
+        });
+        if let Some(target) = &config.target {
+            let c = config.clone();
+            let group = target
+                .group_id
+                .clone()
+                .unwrap_or_else(|| format!("pgcdc-{}", config.name));
+            let topics = config
+                .changelog_tables()
+                .map(|t| config.topic_for(t))
+                .collect();
+            parts.push(Part {
+                name: "materializer".into(),
+                handle: tokio::spawn(async move {
+                    crate::materialize::run(c).await.map_err(|e| e.to_string())
+                }),
+                stop: None,
+                group: Some((group, topics)),
+            });
+        }
+        Pipeline { config, parts }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Runs `projection` over the domain-event `topics` as consumer group
+    /// `group`, writing into the database at `url`.
+    pub fn project(
+        &mut self,
+        projection: Arc<dyn Projection>,
+        upcasters: Arc<Upcasters>,
+        topics: Vec<String>,
+        group: &str,
+        url: &Dsn,
+    ) {
+        let (tx, rx) = oneshot::channel();
+        let kafka = self.config.kafka.clone();
+        let url = url.clone();
+        let g = group.to_string();
+        let t = topics.clone();
+        let name = format!("projection {}", projection.name());
+        let handle = tokio::spawn(async move {
+            let mut db = source::connect(&url)
+                .await
+                .map_err(|e| source::error_text(&e))?;
+            let stop = async {
+                let _ = rx.await;
+            };
+            crate::projection::follow(&kafka, &g, &t, &mut db, projection, upcasters, stop)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        });
+        self.parts.push(Part {
+            name,
+            handle,
+            stop: Some(tx),
+            group: Some((group.to_string(), topics)),
+        });
+    }
+
+    /// Waits until every read model of the pipeline has applied every
+    /// change the source committed up to `lsn` (see the module doc).
+    pub async fn wait_caught_up(
+        &mut self,
+        source: &Client,
+        lsn: &str,
+        timeout: Duration,
+    ) -> Result<(), KitError> {
+        let started = Instant::now();
+        let slot = self.config.source.slot.clone();
+        loop {
+            self.check_running().await?;
+            let reached: bool = source
+                .query_one(
+                    "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1
+                     UNION ALL SELECT false LIMIT 1",
+                    &[&slot, &lsn],
+                )
+                .await?
+                .get(0);
+            if reached {
+                break;
+            }
+            if started.elapsed() > timeout {
+                return Err(KitError::Timeout {
+                    waited: started.elapsed(),
+                    missing: format!("slot {slot} has not confirmed {lsn}"),
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+        let groups: Vec<(String, Vec<String>)> =
+            self.parts.iter().filter_map(|p| p.group.clone()).collect();
+        for (group, topics) in groups {
+            let ends = end_offsets(&self.config.kafka, &topics).await?;
+            loop {
+                self.check_running().await?;
+                let committed = committed(&self.config.kafka, &group, &ends).await?;
+                let behind: Vec<String> = ends
+                    .iter()
+                    .filter(|(tp, end)| {
+                        **end > 0 && committed.get(*tp).copied().unwrap_or(0) < **end
+                    })
+                    .map(|((t, p), end)| {
+                        format!(
+                            "{t}[{p}] at {} of {end}",
+                            committed.get(&(t.clone(), *p)).copied().unwrap_or(0)
+                        )
+                    })
+                    .collect();
+                if behind.is_empty() {
+                    break;
+                }
+                if started.elapsed() > timeout {
+                    return Err(KitError::Timeout {
+                        waited: started.elapsed(),
+                        missing: format!("group {group}: {}", behind.join(", ")),
+                    });
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// An error when a part of the pipeline has ended.
+    async fn check_running(&mut self) -> Result<(), KitError> {
+        for part in &mut self.parts {
+            if part.handle.is_finished() {
+                let error = match (&mut part.handle).await {
+                    Ok(Ok(())) => "it ended".to_string(),
+                    Ok(Err(e)) => e,
+                    Err(e) => e.to_string(),
+                };
+                return Err(KitError::Stopped {
+                    part: part.name.clone(),
+                    error,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Stops every part (projections first, cleanly; then the rest).
+    pub async fn stop(self) {
+        for part in self.parts.into_iter().rev() {
+            match part.stop {
+                Some(tx) => {
+                    let _ = tx.send(());
+                    let _ = part.handle.await;
+                }
+                None => {
+                    part.handle.abort();
+                    let _ = part.handle.await;
+                }
+            }
+        }
+    }
+}
+
+type Offsets = BTreeMap<(String, i32), i64>;
+
+async fn end_offsets(kafka: &KafkaConfig, topics: &[String]) -> Result<Offsets, KitError> {
+    let mut out = Offsets::new();
+    for (topic, parts) in sink::watermarks(kafka, topics)
+        .await
+        .map_err(KitError::Stack)?
+    {
+        for (p, (_, high)) in parts {
+            out.insert((topic.clone(), p), high);
+        }
+    }
+    Ok(out)
+}
+
+async fn committed(kafka: &KafkaConfig, group: &str, of: &Offsets) -> Result<Offsets, KitError> {
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for (t, p) in of.keys() {
+        tpl.add_partition(t, *p);
+    }
+    let consumer: BaseConsumer = sink::client_config(kafka).set("group.id", group).create()?;
+    let done = tokio::task::spawn_blocking(move || {
+        consumer.committed_offsets(tpl, Duration::from_secs(10))
+    })
+    .await
+    .map_err(|e| KitError::Stack(e.to_string()))??;
+    Ok(done
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            rdkafka::Offset::Offset(o) => Some(((e.topic().to_string(), e.partition()), o)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// A read model's rows, by key: the result of a query, each row as JSON
+/// (`to_jsonb`), so that two models built differently compare by value
+/// (numbers compare as numbers: `10.50` equals `10.5`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rows {
+    pub name: String,
+    pub key: Vec<String>,
+    pub rows: BTreeMap<String, serde_json::Map<String, serde_json::Value>>,
+}
+
+impl Rows {
+    /// Runs `query` and keys its rows by the `key` columns.
+    pub async fn read(
+        client: &Client,
+        name: &str,
+        query: &str,
+        key: &[&str],
+    ) -> Result<Rows, KitError> {
+        let rows = client
+            .query(&format!("SELECT to_jsonb(q)::text FROM ({query}) q"), &[])
+            .await?;
+        let mut out = BTreeMap::new();
+        for r in rows {
+            let text: String = r.get(0);
+            let serde_json::Value::Object(map) =
+                serde_json::from_str(&text).unwrap_or(serde_json::Value::Null)
+            else {
+                continue;
+            };
+            out.insert(key_text(&map, key), map);
+        }
+        Ok(Rows {
+            name: name.to_string(),
+            key: key.iter().map(|k| k.to_string()).collect(),
+            rows: out,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// The differences to `other`, or `None` when both hold the same rows.
+    pub fn diff(&self, other: &Rows) -> Option<Diff> {
+        let mut lines = Vec::new();
+        for (k, row) in &self.rows {
+            match other.rows.get(k) {
+                None => lines.push(format!("only in {}: {k} {}", self.name, json(row))),
+                Some(o) if o != row => {
+                    let mut cols: Vec<&String> = row.keys().chain(o.keys()).collect();
+                    cols.sort();
+                    cols.dedup();
+                    let changed: Vec<String> = cols
+                        .into_iter()
+                        .filter(|c| !same(row.get(*c), o.get(*c)))
+                        .map(|c| format!("{c}: {} vs {}", show(row.get(c)), show(o.get(c))))
+                        .collect();
+                    lines.push(format!("{k}: {}", changed.join("; ")));
+                }
+                Some(_) => {}
+            }
+        }
+        for (k, row) in &other.rows {
+            if !self.rows.contains_key(k) {
+                lines.push(format!("only in {}: {k} {}", other.name, json(row)));
+            }
+        }
+        (!lines.is_empty()).then(|| Diff {
+            left: format!("{} ({} rows)", self.name, self.len()),
+            right: format!("{} ({} rows)", other.name, other.len()),
+            lines,
+        })
+    }
+}
+
+fn same(a: Option<&serde_json::Value>, b: Option<&serde_json::Value>) -> bool {
+    match (a, b) {
+        (Some(serde_json::Value::Number(x)), Some(serde_json::Value::Number(y))) => {
+            x.as_f64() == y.as_f64()
+        }
+        _ => a == b,
+    }
+}
+
+fn key_text(row: &serde_json::Map<String, serde_json::Value>, key: &[&str]) -> String {
+    key.iter()
+        .map(|k| format!("{k}={}", show(row.get(*k))))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn show(v: Option<&serde_json::Value>) -> String {
+    match v {
+        None => "(no column)".into(),
+        Some(v) => v.to_string(),
+    }
+}
+
+fn json(row: &serde_json::Map<String, serde_json::Value>) -> String {
+    serde_json::Value::Object(row.clone()).to_string()
+}
+
+/// How two read models differ, line by line (at most 25 shown).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Diff {
+    pub left: String,
+    pub right: String,
+    pub lines: Vec<String>,
+}
+
+impl fmt::Display for Diff {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut out = format!(
+            "read models differ: {} vs {}, {} differences\n",
+            self.left,
+            self.right,
+            self.lines.len()
+        );
+        for l in self.lines.iter().take(25) {
+            let _ = writeln!(out, "  {l}");
+        }
+        if self.lines.len() > 25 {
+            let _ = writeln!(out, "  ... and {} more", self.lines.len() - 25);
+        }
+        f.write_str(&out)
+    }
+}
+
+/// Panics with the diff when `left` and `right` differ.
+pub fn assert_same(left: &Rows, right: &Rows) {
+    if let Some(d) = left.diff(right) {
+        panic!("{d}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn rows(name: &str, data: serde_json::Value) -> Rows {
+        let mut out = BTreeMap::new();
+        for r in data.as_array().into_iter().flatten() {
+            let map = r.as_object().cloned().unwrap_or_default();
+            out.insert(key_text(&map, &["id"]), map);
+        }
+        Rows {
+            name: name.into(),
+            key: vec!["id".into()],
+            rows: out,
+        }
+    }
+
+    #[test]
+    fn a_diff_names_missing_extra_and_changed_rows_by_key() {
+        let cdc = rows(
+            "cdc",
+            json!([{"id": 1, "amount": 10.5, "status": "settled"}, {"id": 2, "amount": 3}]),
+        );
+        let es = rows(
+            "es",
+            json!([{"id": 1, "amount": 10.50, "status": "reversed"}, {"id": 3, "amount": 4}]),
+        );
+        let d = cdc.diff(&es).expect("they differ");
+        assert_eq!(
+            d.lines,
+            vec![
+                "id=1: status: \"settled\" vs \"reversed\"".to_string(),
+                "only in cdc: id=2 {\"amount\":3,\"id\":2}".to_string(),
+                "only in es: id=3 {\"amount\":4,\"id\":3}".to_string(),
+            ]
+        );
+        assert!(d
+            .to_string()
+            .starts_with("read models differ: cdc (2 rows) vs es (2 rows), 3 differences"));
+        assert_eq!(cdc.diff(&cdc.clone()), None);
+    }
+
+    #[test]
+    fn exports_parse_as_scripts_stack_env_prints_them() {
+        let vars = parse_exports("export PGCDC_SOURCE_URL='postgres://a@b/c'\nexport X=1\n# no\n");
+        assert_eq!(vars["PGCDC_SOURCE_URL"], "postgres://a@b/c");
+        assert_eq!(vars["X"], "1");
+        assert_eq!(vars.len(), 2);
+    }
+}
