@@ -618,7 +618,7 @@ async fn tail(args: &TailArgs) -> Result<u8, Failure> {
     let tables = match &args.table {
         Some(t) if config.source.tables.contains(t) => vec![t.clone()],
         Some(t) => return Err(Failure(format!("--table {t} is not one of source.tables"))),
-        None => config.source.tables.clone(),
+        None => config.changelog_tables().cloned().collect(),
     };
     crate::tail::run(
         &config,

@@ -137,6 +137,11 @@ pub struct OutboxConfig {
     /// gives a header without a value).
     #[serde(default = "default_outbox_headers")]
     pub headers: Vec<String>,
+    /// The column that orders a stream's events in the table's snapshot.
+    /// Default: the primary key, which is insertion order for an identity
+    /// key; name a sequence or version column when the key is a uuid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub order_by: Option<String>,
 }
 
 fn default_outbox_route_by() -> String {
@@ -1077,6 +1082,9 @@ impl Config {
                 &format!("{base}.topic"),
                 "must be a Kafka topic name; {prefix} and {route} are the only placeholders",
             );
+            if o.order_by.as_deref() == Some("") {
+                v.push(&format!("{base}.order_by"), "must name a column".into());
+            }
             for (field, column) in [
                 ("route_by", &o.route_by),
                 ("key", &o.key),

@@ -21,7 +21,7 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 use tokio_postgres::error::SqlState;
-use tokio_postgres::{Client, Row, Transaction};
+use tokio_postgres::{Client, GenericClient, Row, Transaction};
 
 use crate::source;
 
@@ -272,7 +272,7 @@ impl EventStore {
     /// A stream's events in version order.
     pub async fn read_stream(
         &self,
-        client: &Client,
+        client: &impl GenericClient,
         stream_id: &str,
     ) -> Result<Vec<RecordedEvent>, tokio_postgres::Error> {
         let rows = client
@@ -288,10 +288,13 @@ impl EventStore {
     }
 
     /// Up to `limit` events after `after` (a global position; 0 for the
-    /// first), in global order.
+    /// first), in global order. Read pages of one snapshot (a
+    /// `REPEATABLE READ` transaction) to see a consistent store: positions
+    /// are taken at insert, so a later page can hold a smaller one that
+    /// committed late.
     pub async fn read_all(
         &self,
-        client: &Client,
+        client: &impl GenericClient,
         after: i64,
         limit: i64,
     ) -> Result<Vec<RecordedEvent>, tokio_postgres::Error> {

@@ -593,7 +593,16 @@ async fn check_kafka(config: &Config, r: &mut Report) {
         .map(|t| t.name().to_string())
         .collect();
     let opts = AdminOptions::new().request_timeout(Some(CHECK_TIMEOUT));
-    for table in &config.source.tables {
+    for (table, o) in &config.outbox {
+        r.pass(
+            &format!("kafka.outbox.{table}"),
+            format!(
+                "{table} is routed to domain-event topics {} (created when first routed to, cleanup.policy=delete)",
+                o.topic.replace("{prefix}", &k.topic_prefix)
+            ),
+        );
+    }
+    for table in config.changelog_tables() {
         let topic = config.topic_for(table);
         let name = format!("kafka.topic.{topic}");
         if !existing.contains(&topic) {

@@ -58,8 +58,10 @@ pub enum ProjectionError {
         got: i64,
         at: String,
     },
-    #[error("{event_type} v{version}: {reason}")]
+    #[error("stream {stream_id} version {stream_version}: cannot upcast {event_type} v{version}: {reason}")]
     Upcast {
+        stream_id: String,
+        stream_version: i64,
         event_type: String,
         version: i32,
         reason: String,
@@ -145,6 +147,8 @@ impl Upcasters {
             .get(&(event.event_type.clone(), event.schema_version))
         {
             event.payload = step(event.payload).map_err(|reason| ProjectionError::Upcast {
+                stream_id: event.stream_id.clone(),
+                stream_version: event.version,
                 event_type: event.event_type.clone(),
                 version: event.schema_version,
                 reason,
@@ -326,9 +330,15 @@ async fn lock(
 
 /// Rebuilds `projection` in `db` from the first event of `store` (read
 /// through `events`), in one transaction.
+///
+/// The store is read in one snapshot taken after the projection's lock:
+/// every event a live [`follow`] applied before is in it (its source
+/// transaction committed before the connector could route it), and every
+/// event after it reaches `follow` later, which goes on from the rebuilt
+/// checkpoints (anything already in the snapshot is a duplicate).
 pub async fn rebuild(
     db: &mut Client,
-    events: &Client,
+    events: &mut Client,
     store: &EventStore,
     projection: &dyn Projection,
     upcasters: &Upcasters,
@@ -351,11 +361,18 @@ pub async fn rebuild(
     )
     .await
     .map_err(pg)?;
+    let snapshot = events
+        .build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+        .read_only(true)
+        .start()
+        .await
+        .map_err(pg)?;
     let mut counts = Applied::default();
     let mut after = 0;
     loop {
         let page = store
-            .read_all(events, after, BATCH as i64)
+            .read_all(&snapshot, after, BATCH as i64)
             .await
             .map_err(pg)?;
         let Some(last) = page.last().and_then(|e| e.global_position) else {
@@ -368,6 +385,7 @@ pub async fn rebuild(
         }
         after = last;
     }
+    snapshot.rollback().await.map_err(pg)?;
     tx.commit().await.map_err(pg)?;
     Ok(counts)
 }
@@ -404,12 +422,19 @@ pub async fn follow(
         let mut batch = Vec::new();
         tokio::select! {
             _ = &mut stop => return Ok(total),
-            m = consumer.recv() => batch.push(m?.detach()),
+            m = consumer.recv() => match m {
+                Ok(m) => batch.push(m.detach()),
+                // librdkafka retries on its own; the next poll goes on.
+                Err(e) => {
+                    tracing::warn!(projection = projection.name(), error = %e, "kafka: poll failed");
+                    continue;
+                }
+            },
         }
         while batch.len() < BATCH {
             match tokio::time::timeout(Duration::from_millis(20), consumer.recv()).await {
-                Ok(m) => batch.push(m?.detach()),
-                Err(_) => break,
+                Ok(Ok(m)) => batch.push(m.detach()),
+                Ok(Err(_)) | Err(_) => break,
             }
         }
         let tx = db.transaction().await.map_err(pg)?;
@@ -452,7 +477,11 @@ pub async fn follow(
         for ((topic, partition), offset) in next {
             offsets.add_partition_offset(&topic, partition, rdkafka::Offset::Offset(offset))?;
         }
-        consumer.commit(&offsets, CommitMode::Sync)?;
+        // A failed commit (a rebalance) only means redelivery, which the
+        // checkpoints skip.
+        if let Err(e) = consumer.commit(&offsets, CommitMode::Sync) {
+            tracing::warn!(projection = projection.name(), error = %e, "kafka: offset commit failed; the batch will be redelivered and skipped");
+        }
     }
 }
 

@@ -266,6 +266,15 @@ pub async fn ensure_dlq_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), Ka
     create_missing(&kafka, &[topic.to_string()], &[("retention.ms", "-1")]).await
 }
 
+/// Creates domain-event topics (outbox routing) when missing, always
+/// with `cleanup.policy=delete`: compaction would keep only a stream's
+/// last event.
+pub async fn ensure_event_topics(kafka: &KafkaConfig, topics: &[String]) -> Result<(), KafkaError> {
+    let mut kafka = kafka.clone();
+    kafka.cleanup_policy = crate::config::CleanupPolicy::Delete;
+    create_missing(&kafka, topics, &[]).await
+}
+
 /// Refuses a dead-letter topic that would lose quarantined messages: one
 /// created earlier with compaction (records of one key replace each
 /// other). A retention the broker reports is only warned about.

@@ -12,6 +12,12 @@
 //!   its timeout, or as soon as a part of the pipeline has failed.
 //! - **A diff names rows by key** and the columns that differ.
 //!
+//! Caught up means applied or dead-lettered: the materializer commits the
+//! offsets of a batch whose changes it quarantined. With
+//! `kafka.exactly_once` the end offsets include transaction markers that
+//! no consumer commits past, so the wait does not end; use it with the
+//! default producer.
+//!
 //! ```text
 //!  write ──► current_lsn ──► wait_caught_up: slot confirmed ≥ lsn ──► end offsets ──► groups committed ≥ end offsets
 //! ```
@@ -267,7 +273,25 @@ impl Pipeline {
         let groups: Vec<(String, Vec<String>)> =
             self.parts.iter().filter_map(|p| p.group.clone()).collect();
         for (group, topics) in groups {
-            let ends = end_offsets(&self.config.kafka, &topics).await?;
+            // A topic not created yet is not caught up with.
+            let ends = loop {
+                self.check_running().await?;
+                let ends = end_offsets(&self.config.kafka, &topics).await?;
+                let missing: Vec<&String> = topics
+                    .iter()
+                    .filter(|t| !ends.keys().any(|(name, _)| name == *t))
+                    .collect();
+                if missing.is_empty() {
+                    break ends;
+                }
+                if started.elapsed() > timeout {
+                    return Err(KitError::Timeout {
+                        waited: started.elapsed(),
+                        missing: format!("group {group}: no topic {missing:?}"),
+                    });
+                }
+                tokio::time::sleep(POLL).await;
+            };
             loop {
                 self.check_running().await?;
                 let committed = committed(&self.config.kafka, &group, &ends).await?;

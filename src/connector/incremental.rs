@@ -394,9 +394,11 @@ impl Engine {
             return Ok(false);
         }
 
+        // Outbox tables have no changelog topic to mark.
         let topics: Vec<String> = signal
             .tables
             .iter()
+            .filter(|t| !self.config.outbox.contains_key(*t))
             .map(|t| self.config.topic_for(t))
             .collect();
         // The log splits exactly here: every event before the signal is
@@ -703,6 +705,7 @@ impl Engine {
         let topics: Vec<String> = marker
             .tables
             .iter()
+            .filter(|t| !self.config.outbox.contains_key(*t))
             .map(|t| self.config.topic_for(t))
             .collect();
         marker.phase = Phase::Completed;

@@ -167,12 +167,34 @@ impl Output {
         let topic = self.config.topic_for(&desc.qualified());
         let table = desc.qualified();
         let mut codec = TableCodec::new(&topic, desc).map_err(|source| RunError::Encode {
-            table,
+            table: table.clone(),
             lsn: Lsn(0),
             source,
         })?;
-        // Routed to domain-event topics: no changelog subjects.
-        if self.config.outbox.contains_key(&codec.desc.qualified()) {
+        // Routed to domain-event topics: no changelog subjects, but every
+        // column the routing names must exist.
+        if let Some(o) = self.config.outbox.get(&table) {
+            let named = [
+                ("route_by", &o.route_by),
+                ("key", &o.key),
+                ("payload", &o.payload),
+            ]
+            .into_iter()
+            .chain(o.order_by.as_ref().map(|c| ("order_by", c)))
+            .map(|(f, c)| (f.to_string(), c))
+            .chain(
+                o.headers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| (format!("headers[{i}]"), c)),
+            );
+            for (field, column) in named {
+                if !codec.desc.columns.iter().any(|c| &c.name == column) {
+                    return Err(RunError::Config(format!(
+                        "outbox.\"{table}\".{field}: {table} has no column {column}"
+                    )));
+                }
+            }
             return Ok(codec);
         }
         let key_id = self
@@ -235,7 +257,18 @@ impl Output {
                 };
                 let payload = unencodable_payload(codec, op, before, after, src);
                 return self
-                    .quarantine(&topic, op, class, &e.to_string(), None, &payload, src)
+                    .quarantine(
+                        &topic,
+                        op,
+                        Rejected {
+                            class,
+                            error: &e.to_string(),
+                            key: None,
+                            value: &payload,
+                        },
+                        src,
+                        &[],
+                    )
                     .await;
             }
             Err(e) => return Err(encode_err(e)),
@@ -248,7 +281,18 @@ impl Output {
                     self.config.kafka.max_message_bytes
                 );
                 return self
-                    .quarantine(&topic, op, class, &error, key.as_deref(), &value, src)
+                    .quarantine(
+                        &topic,
+                        op,
+                        Rejected {
+                            class,
+                            error: &error,
+                            key: key.as_deref(),
+                            value: &value,
+                        },
+                        src,
+                        &[],
+                    )
                     .await;
             }
         }
@@ -311,25 +355,16 @@ impl Output {
         let key = text(column(&outbox.key)?);
         let value = text(column(&outbox.payload)?);
         let route = text(column(&outbox.route_by)?);
-        let mut headers = rdkafka::message::OwnedHeaders::new();
+        let mut pairs: Vec<(String, Option<Vec<u8>>)> = Vec::new();
         for h in &outbox.headers {
-            let v = text(column(h)?);
-            headers = headers.insert(rdkafka::message::Header {
-                key: h,
-                value: v.as_deref(),
-            });
+            pairs.push((h.clone(), text(column(h)?)));
         }
         let position = format!("{}:{}", src.position.commit_lsn, src.position.seq);
-        let lsn = Lsn(src.lsn).to_string();
-        headers = headers
-            .insert(rdkafka::message::Header {
-                key: "pgcdc.position",
-                value: Some(position.as_bytes()),
-            })
-            .insert(rdkafka::message::Header {
-                key: "pgcdc.lsn",
-                value: Some(lsn.as_bytes()),
-            });
+        pairs.push(("pgcdc.position".into(), Some(position.into_bytes())));
+        pairs.push((
+            "pgcdc.lsn".into(),
+            Some(Lsn(src.lsn).to_string().into_bytes()),
+        ));
         fn refused(fault: Fault<'static>, error: String) -> (Fault<'static>, String) {
             (fault, error)
         }
@@ -343,7 +378,11 @@ impl Output {
                 format!("the route column {} is NULL", outbox.route_by),
             )),
             (Some(k), v, Some(r)) => {
-                let size = k.len() + v.as_ref().map_or(0, Vec::len);
+                let header_bytes: usize = pairs
+                    .iter()
+                    .map(|(k, v)| k.len() + v.as_ref().map_or(0, Vec::len))
+                    .sum();
+                let size = k.len() + v.as_ref().map_or(0, Vec::len) + header_bytes;
                 match outbox.topic_for(&self.config.kafka.topic_prefix, &String::from_utf8_lossy(r))
                 {
                     Err(e) => Err(refused(Fault::Encode, e)),
@@ -364,20 +403,38 @@ impl Output {
                 let Verdict::Quarantine(class) = classify(&fault) else {
                     return Err(RunError::Config(format!("outbox.\"{table}\": {error}")));
                 };
+                // The event's headers travel along as pgcdc.event.*, so
+                // that nothing of it is lost.
+                let event: Vec<(String, Option<Vec<u8>>)> = pairs
+                    .into_iter()
+                    .filter(|(k, _)| !k.starts_with("pgcdc."))
+                    .map(|(k, v)| (format!("pgcdc.event.{k}"), v))
+                    .collect();
                 let origin = self.config.topic_for(&table);
                 return self
                     .quarantine(
                         &origin,
                         op,
-                        class,
-                        &error,
-                        key.as_deref(),
-                        value.as_deref().unwrap_or_default(),
+                        Rejected {
+                            class,
+                            error: &error,
+                            key: key.as_deref(),
+                            value: value.as_deref().unwrap_or_default(),
+                        },
                         src,
+                        &event,
                     )
                     .await;
             }
         };
+        let headers = pairs
+            .iter()
+            .fold(rdkafka::message::OwnedHeaders::new(), |h, (k, v)| {
+                h.insert(rdkafka::message::Header {
+                    key: k,
+                    value: v.as_deref(),
+                })
+            });
         self.ensure_domain_topic(&topic).await?;
         metrics::counter!(observe::OUTBOX_EVENTS, "table" => table.clone(), "topic" => topic.clone())
             .increment(1);
@@ -398,7 +455,7 @@ impl Output {
         {
             return Ok(());
         }
-        sink::ensure_topics(&self.config.kafka, &[topic.to_string()]).await?;
+        sink::ensure_event_topics(&self.config.kafka, &[topic.to_string()]).await?;
         self.domain_topics
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -407,18 +464,22 @@ impl Output {
     }
 
     /// Writes a change that cannot go to its topic to the dead-letter
-    /// topic (in parts when it is too large for one record).
-    #[allow(clippy::too_many_arguments)]
+    /// topic (in parts when it is too large for one record), with `event`
+    /// as extra headers.
     async fn quarantine(
         &self,
         topic: &str,
         op: Op,
-        class: Class,
-        error: &str,
-        key: Option<&[u8]>,
-        value: &[u8],
+        rejected: Rejected<'_>,
         src: &SourceInfo<'_>,
+        event: &[(String, Option<Vec<u8>>)],
     ) -> Result<(), RunError> {
+        let Rejected {
+            class,
+            error,
+            key,
+            value,
+        } = rejected;
         let now = now_ms();
         let q = Quarantine {
             class: class.as_str(),
@@ -452,6 +513,12 @@ impl Output {
             &origin,
         );
         for (headers, part) in records {
+            let headers = event.iter().fold(headers, |h, (k, v)| {
+                h.insert(rdkafka::message::Header {
+                    key: k,
+                    value: v.as_deref(),
+                })
+            });
             let f = self
                 .producer
                 .send_with_headers(&dlq, key, Some(part), headers)
@@ -460,6 +527,14 @@ impl Output {
         }
         Ok(())
     }
+}
+
+/// A change refused from its topic: why, and its bytes.
+struct Rejected<'a> {
+    class: Class,
+    error: &'a str,
+    key: Option<&'a [u8]>,
+    value: &'a [u8],
 }
 
 /// What the connector keeps of a change it cannot encode: the row images
@@ -1187,7 +1262,14 @@ async fn copy_chunk(
     }
     // Events of a stream keep their order: an outbox table's rows go out
     // in key order (insertion order for an identity key), in one chunk.
-    let order = if output.config.outbox.contains_key(&table) {
+    let order = if let Some(by) = output
+        .config
+        .outbox
+        .get(&table)
+        .and_then(|o| o.order_by.as_ref())
+    {
+        format!(" ORDER BY {}", slot::quote_ident(by))
+    } else if output.config.outbox.contains_key(&table) {
         let keys: Vec<String> = codec
             .desc
             .columns
@@ -1666,6 +1748,13 @@ async fn on_message(
             }
             Message::Update { old, new, .. } => {
                 let new_in = inputs(new);
+                // An outbox row's update is no event, key change or not.
+                if output.config.outbox.contains_key(&codec.desc.qualified()) {
+                    output
+                        .emit(codec, Op::Update, None, Some(&new_in), &src)
+                        .await?;
+                    continue;
+                }
                 // 'K' old tuples are only sent when the key changed.
                 let key_change = match old {
                     Some(OldTuple::Key(_)) => true,

@@ -466,9 +466,9 @@ route_by = "stream_type"
 /// The same three read models as projections, into schema `schema`.
 pub fn projections(schema: &str) -> Vec<Box<dyn Projection>> {
     vec![
-        Box::new(Statement(schema.to_string())),
-        Box::new(FraudQueue(schema.to_string())),
-        Box::new(Regulatory(schema.to_string())),
+        Box::new(Statement::new(schema)),
+        Box::new(FraudQueue::new(schema)),
+        Box::new(Regulatory::new(schema)),
     ]
 }
 
@@ -507,11 +507,19 @@ fn account_writes(s: &str, e: &RecordedEvent, table: &str) -> Vec<Write> {
     }
 }
 
-pub struct Statement(pub String);
+/// Checkpoints are named `<schema>.statement`, so that models in two
+/// schemas of one database never share them.
+pub struct Statement(pub String, String);
+
+impl Statement {
+    pub fn new(schema: &str) -> Statement {
+        Statement(schema.to_string(), format!("{schema}.statement"))
+    }
+}
 
 impl Projection for Statement {
     fn name(&self) -> &str {
-        "statement"
+        &self.1
     }
     fn create_sql(&self) -> String {
         let s = &self.0;
@@ -557,11 +565,19 @@ impl Projection for Statement {
     }
 }
 
-pub struct FraudQueue(pub String);
+/// Checkpoints are named `<schema>.fraud_queue`, so that models in two
+/// schemas of one database never share them.
+pub struct FraudQueue(pub String, String);
+
+impl FraudQueue {
+    pub fn new(schema: &str) -> FraudQueue {
+        FraudQueue(schema.to_string(), format!("{schema}.fraud_queue"))
+    }
+}
 
 impl Projection for FraudQueue {
     fn name(&self) -> &str {
-        "fraud_queue"
+        &self.1
     }
     fn create_sql(&self) -> String {
         let s = &self.0;
@@ -601,11 +617,19 @@ impl Projection for FraudQueue {
     }
 }
 
-pub struct Regulatory(pub String);
+/// Checkpoints are named `<schema>.regulatory_export`, so that models in two
+/// schemas of one database never share them.
+pub struct Regulatory(pub String, String);
+
+impl Regulatory {
+    pub fn new(schema: &str) -> Regulatory {
+        Regulatory(schema.to_string(), format!("{schema}.regulatory_export"))
+    }
+}
 
 impl Projection for Regulatory {
     fn name(&self) -> &str {
-        "regulatory_export"
+        &self.1
     }
     fn create_sql(&self) -> String {
         let s = &self.0;
@@ -652,11 +676,19 @@ impl Projection for Regulatory {
 }
 
 /// The read model added later: a line per settlement and per reversal.
-pub struct Tax(pub String);
+/// Checkpoints are named `<schema>.tax_lines`, so that models in two
+/// schemas of one database never share them.
+pub struct Tax(pub String, String);
+
+impl Tax {
+    pub fn new(schema: &str) -> Tax {
+        Tax(schema.to_string(), format!("{schema}.tax_lines"))
+    }
+}
 
 impl Projection for Tax {
     fn name(&self) -> &str {
-        "tax_lines"
+        &self.1
     }
     fn create_sql(&self) -> String {
         let s = &self.0;
