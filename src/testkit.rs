@@ -575,6 +575,41 @@ mod tests {
         assert_eq!(cdc.diff(&cdc.clone()), None);
     }
 
+    /// A repository whose `scripts/stack` is the given shell script.
+    fn repo(script: &str) -> tempfile::TempDir {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("temp dir");
+        std::fs::create_dir(dir.path().join("scripts")).expect("scripts");
+        let path = dir.path().join("scripts/stack");
+        std::fs::write(&path, script).expect("script");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        dir
+    }
+
+    #[test]
+    fn up_runs_the_stack_script_and_attaches_to_what_it_exports() {
+        let ok = repo(
+            "#!/bin/sh\ncase \"$1\" in\n up) exit 0 ;;\n env) echo \"export PGCDC_SOURCE_URL='postgres://s'\"; echo \"export PGCDC_TARGET_URL='postgres://t'\"; echo \"export PGCDC_KAFKA_BROKERS='127.0.0.1:1'\"; echo \"export PGCDC_REGISTRY_URL='http://r'\" ;;\nesac\n",
+        );
+        let stack = Stack::up(ok.path()).expect("attached");
+        assert_eq!(stack.source_url, "postgres://s");
+        assert_eq!(stack.brokers, "127.0.0.1:1");
+        let failing = repo("#!/bin/sh\nexit 3\n");
+        let err = Stack::up(failing.path())
+            .expect_err("up failed")
+            .to_string();
+        assert!(
+            err.starts_with("stack: scripts/stack up exited with"),
+            "{err}"
+        );
+        let partial =
+            repo("#!/bin/sh\n[ \"$1\" = env ] && echo \"export PGCDC_SOURCE_URL=x\"\nexit 0\n");
+        let err = Stack::up(partial.path())
+            .expect_err("missing settings")
+            .to_string();
+        assert!(err.contains("PGCDC_TARGET_URL is not set"), "{err}");
+    }
+
     #[test]
     fn exports_parse_as_scripts_stack_env_prints_them() {
         let vars = parse_exports("export PGCDC_SOURCE_URL='postgres://a@b/c'\nexport X=1\n# no\n");

@@ -764,6 +764,24 @@ async fn a_read_model_added_later_rebuilds_fully_from_events_and_from_cdc_only_a
         .and_then(|r| r.iter().find(|r| r["name"] == "statement"))
         .expect("statement in the report");
     assert_eq!(statement["reach"]["kind"], "none", "{statement}");
+    // And `pgcdc rebuild` does what the report says: no rebuild of a CDC
+    // read model from this log without a new snapshot.
+    let refused = support::pgcdc(&[
+        "rebuild",
+        "--config",
+        file.arg(),
+        "--read-model",
+        "statement",
+    ])
+    .await;
+    assert_eq!(refused.code, 2, "{}", refused.all_output());
+    assert!(
+        refused
+            .stderr
+            .contains("cannot be rebuilt without a new snapshot"),
+        "{}",
+        refused.stderr
+    );
 
     // The CDC path: the tax lines need history, which CDC has only in the
     // changelog; folded from what is retained, they are exactly the
