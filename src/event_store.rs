@@ -91,7 +91,8 @@ pub enum Expected {
     NoStream,
     /// The stream's last event has this version.
     Exact(i64),
-    /// No check (last writer wins the next version).
+    /// No version check (the next version; two concurrent appends still
+    /// cannot take the same one: the later gets a conflict).
     Any,
 }
 
@@ -183,16 +184,27 @@ impl EventStore {
             });
         }
         let savepoint = tx.savepoint("pgcdc_append").await?;
-        let current: i64 = savepoint
-            .query_one(
+        let last = savepoint
+            .query_opt(
                 &format!(
-                    "SELECT coalesce(max(version), 0) FROM {} WHERE stream_id = $1",
+                    "SELECT version, stream_type FROM {} WHERE stream_id = $1 ORDER BY version DESC LIMIT 1",
                     self.table
                 ),
                 &[&stream_id],
             )
-            .await?
-            .get(0);
+            .await?;
+        let current: i64 = last.as_ref().map_or(0, |r| r.get(0));
+        // A stream is routed by its type: one stream, one type, or its
+        // events would land in two topics, out of order.
+        if let Some(existing) = last.as_ref().map(|r| r.get::<_, String>(1)) {
+            if existing != stream_type {
+                savepoint.rollback().await?;
+                return Err(AppendError::Invalid {
+                    stream_id: stream_id.into(),
+                    message: format!("its stream type is {existing}, not {stream_type}"),
+                });
+            }
+        }
         let conflict = match expected {
             Expected::NoStream => current != 0,
             Expected::Exact(v) => current != v,

@@ -33,6 +33,7 @@ use tokio_postgres::{Client, Transaction};
 
 use crate::config::KafkaConfig;
 use crate::event_store::{EventStore, Metadata, RecordedEvent};
+use crate::secret::Dsn;
 use crate::{sink, source};
 
 /// Where checkpoints live, in the projection's database.
@@ -350,8 +351,10 @@ pub async fn rebuild(
     prepare(db, projection).await?;
     let tx = db.transaction().await.map_err(pg)?;
     lock(&tx, projection).await.map_err(pg)?;
+    // DELETE, not TRUNCATE: readers keep seeing the old model (TRUNCATE's
+    // lock would block them for the whole rebuild).
     for table in projection.tables() {
-        tx.batch_execute(&format!("TRUNCATE {table}"))
+        tx.batch_execute(&format!("DELETE FROM {table}"))
             .await
             .map_err(pg)?;
     }
@@ -391,12 +394,17 @@ pub async fn rebuild(
 }
 
 /// Follows the domain-event `topics` as consumer group `group` and applies
-/// them to `projection` in `db`, until `stop` resolves.
+/// them to `projection` in the database at `url`, until `stop` resolves.
+///
+/// A batch the target refuses for a reason a retry can fix (a lost
+/// connection, a serialization conflict: [`crate::dlq::classify`] decides)
+/// is applied again, from the same records, after a backoff and a fresh
+/// connection; anything else stops the projection with the error.
 pub async fn follow(
     kafka: &KafkaConfig,
     group: &str,
     topics: &[String],
-    db: &mut Client,
+    url: &Dsn,
     projection: Arc<dyn Projection>,
     upcasters: Arc<Upcasters>,
     stop: impl std::future::Future<Output = ()>,
@@ -405,8 +413,9 @@ pub async fn follow(
         projection: projection.name().to_string(),
         source,
     };
-    prepare(db, projection.as_ref()).await?;
-    sink::ensure_topics(kafka, topics).await?;
+    let mut db = source::connect(url).await.map_err(pg)?;
+    prepare(&db, projection.as_ref()).await?;
+    sink::ensure_event_topics(kafka, topics).await?;
     let consumer: StreamConsumer = sink::client_config(kafka)
         .set("group.id", group)
         .set("enable.auto.commit", "false")
@@ -437,42 +446,34 @@ pub async fn follow(
                 Ok(Err(_)) | Err(_) => break,
             }
         }
-        let tx = db.transaction().await.map_err(pg)?;
-        lock(&tx, projection.as_ref()).await.map_err(pg)?;
+        let mut attempts = 0u32;
+        let counts = loop {
+            match apply_batch(&mut db, projection.as_ref(), &upcasters, &batch).await {
+                Ok(counts) => break counts,
+                Err(ProjectionError::Postgres { source, .. }) if retryable(&source, attempts) => {
+                    attempts += 1;
+                    let wait = Duration::from_millis(400 * (1 << attempts.min(6)));
+                    tracing::warn!(projection = projection.name(), attempts, error = %source::error_text(&source),
+                        "target: the batch failed; applying it again after {wait:?}");
+                    tokio::time::sleep(wait).await;
+                    if db.is_closed() {
+                        match source::connect(url).await {
+                            Ok(c) => db = c,
+                            Err(e) => {
+                                tracing::warn!(projection = projection.name(), error = %source::error_text(&e), "target: cannot reconnect yet")
+                            }
+                        }
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        total.applied += counts.applied;
+        total.duplicates += counts.duplicates;
         let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
         for m in &batch {
-            let headers: BTreeMap<String, Option<String>> = m
-                .headers()
-                .map(|h| {
-                    h.iter()
-                        .map(|h| {
-                            (
-                                h.key.to_string(),
-                                h.value.map(|v| String::from_utf8_lossy(v).into_owned()),
-                            )
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            let event = from_record(
-                m.topic(),
-                m.partition(),
-                m.offset(),
-                m.key(),
-                m.payload(),
-                &headers,
-            )?;
-            let event = upcasters.upcast(event)?;
-            let at = format!(
-                " ({} partition {} offset {})",
-                m.topic(),
-                m.partition(),
-                m.offset()
-            );
-            apply_one(&tx, projection.as_ref(), &event, &at, &mut total).await?;
             next.insert((m.topic().to_string(), m.partition()), m.offset() + 1);
         }
-        tx.commit().await.map_err(pg)?;
         let mut offsets = rdkafka::TopicPartitionList::new();
         for ((topic, partition), offset) in next {
             offsets.add_partition_offset(&topic, partition, rdkafka::Offset::Offset(offset))?;
@@ -483,6 +484,67 @@ pub async fn follow(
             tracing::warn!(projection = projection.name(), error = %e, "kafka: offset commit failed; the batch will be redelivered and skipped");
         }
     }
+}
+
+/// Whether the classifier calls a target error an outage to retry.
+fn retryable(e: &tokio_postgres::Error, attempts: u32) -> bool {
+    let code = e.as_db_error().map(|d| d.code().code());
+    let fault = crate::dlq::Fault::Target {
+        sqlstate: code,
+        attempts,
+        // Projections have no dead-letter path: retry outages for ever.
+        max_attempts: 0,
+    };
+    matches!(crate::dlq::classify(&fault), crate::dlq::Verdict::Retry(_))
+}
+
+/// Applies one batch of records in one transaction.
+async fn apply_batch(
+    db: &mut Client,
+    projection: &dyn Projection,
+    upcasters: &Upcasters,
+    batch: &[rdkafka::message::OwnedMessage],
+) -> Result<Applied, ProjectionError> {
+    let pg = |source| ProjectionError::Postgres {
+        projection: projection.name().to_string(),
+        source,
+    };
+    let mut counts = Applied::default();
+    let tx = db.transaction().await.map_err(pg)?;
+    lock(&tx, projection).await.map_err(pg)?;
+    for m in batch {
+        let headers: BTreeMap<String, Option<String>> = m
+            .headers()
+            .map(|h| {
+                h.iter()
+                    .map(|h| {
+                        (
+                            h.key.to_string(),
+                            h.value.map(|v| String::from_utf8_lossy(v).into_owned()),
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let event = from_record(
+            m.topic(),
+            m.partition(),
+            m.offset(),
+            m.key(),
+            m.payload(),
+            &headers,
+        )?;
+        let event = upcasters.upcast(event)?;
+        let at = format!(
+            " ({} partition {} offset {})",
+            m.topic(),
+            m.partition(),
+            m.offset()
+        );
+        apply_one(&tx, projection, &event, &at, &mut counts).await?;
+    }
+    tx.commit().await.map_err(pg)?;
+    Ok(counts)
 }
 
 #[cfg(test)]

@@ -5,8 +5,8 @@
 //!
 //! Guarantees:
 //! - **No sleeps stand in for conditions.** [`Pipeline::wait_caught_up`]
-//!   returns once the slot confirmed the LSN (Kafka holds every change up
-//!   to it) and every consumer group of the pipeline committed offsets up
+//!   returns once the initial snapshot completed and the slot confirmed
+//!   the LSN (Kafka holds every change up to it) and every consumer group of the pipeline committed offsets up
 //!   to the topics' end offsets taken after that (its read model applied
 //!   them); it polls those conditions and fails with what is missing after
 //!   its timeout, or as soon as a part of the pipeline has failed.
@@ -49,6 +49,9 @@ pub enum KitError {
     Timeout { waited: Duration, missing: String },
     #[error("{part} stopped: {error}")]
     Stopped { part: String, error: String },
+    /// A read model with two rows of one key: keys must be unique to compare.
+    #[error("{name}: more than one row has the key {key}")]
+    DuplicateKey { name: String, key: String },
     #[error("postgres: {}", source::error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
     #[error("kafka: {0}")]
@@ -137,7 +140,8 @@ pub async fn current_lsn(client: &Client) -> Result<String, KitError> {
 
 struct Part {
     name: String,
-    handle: JoinHandle<Result<(), String>>,
+    /// `None` once it ended and its result was reported.
+    handle: Option<JoinHandle<Result<(), String>>>,
     /// `None`: stopped by aborting the task (the connector and the
     /// materializer stop on signals only; an abort loses nothing, the
     /// slot and the group replay).
@@ -171,9 +175,9 @@ impl Pipeline {
         let c = config.clone();
         parts.push(Part {
             name: "connector".into(),
-            handle: tokio::spawn(async move {
+            handle: Some(tokio::spawn(async move {
                 crate::connector::run(c).await.map_err(|e| e.to_string())
-            }),
+            })),
             stop: None,
             group: None,
         });
@@ -189,9 +193,9 @@ impl Pipeline {
                 .collect();
             parts.push(Part {
                 name: "materializer".into(),
-                handle: tokio::spawn(async move {
+                handle: Some(tokio::spawn(async move {
                     crate::materialize::run(c).await.map_err(|e| e.to_string())
-                }),
+                })),
                 stop: None,
                 group: Some((group, topics)),
             });
@@ -220,20 +224,17 @@ impl Pipeline {
         let t = topics.clone();
         let name = format!("projection {}", projection.name());
         let handle = tokio::spawn(async move {
-            let mut db = source::connect(&url)
-                .await
-                .map_err(|e| source::error_text(&e))?;
             let stop = async {
                 let _ = rx.await;
             };
-            crate::projection::follow(&kafka, &g, &t, &mut db, projection, upcasters, stop)
+            crate::projection::follow(&kafka, &g, &t, &url, projection, upcasters, stop)
                 .await
                 .map(|_| ())
                 .map_err(|e| e.to_string())
         });
         self.parts.push(Part {
             name,
-            handle,
+            handle: Some(handle),
             stop: Some(tx),
             group: Some((group.to_string(), topics)),
         });
@@ -249,6 +250,29 @@ impl Pipeline {
     ) -> Result<(), KitError> {
         let started = Instant::now();
         let slot = self.config.source.slot.clone();
+        // A slot confirms its consistent point as soon as it exists, while
+        // the snapshot of what was written before is still on its way to
+        // Kafka: that snapshot must have completed first.
+        if self.config.source.snapshot.mode != crate::config::SnapshotMode::Never {
+            let topic = crate::snapshot_marker::topic(&self.config);
+            loop {
+                self.check_running().await?;
+                let marker = crate::snapshot_marker::latest(&self.config.kafka, &topic, &slot)
+                    .await
+                    .ok()
+                    .flatten();
+                if marker.is_some_and(|m| m.phase == crate::snapshot_marker::Phase::Completed) {
+                    break;
+                }
+                if started.elapsed() > timeout {
+                    return Err(KitError::Timeout {
+                        waited: started.elapsed(),
+                        missing: format!("the initial snapshot of slot {slot} has not completed"),
+                    });
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        }
         loop {
             self.check_running().await?;
             let reached: bool = source
@@ -325,8 +349,8 @@ impl Pipeline {
     /// An error when a part of the pipeline has ended.
     async fn check_running(&mut self) -> Result<(), KitError> {
         for part in &mut self.parts {
-            if part.handle.is_finished() {
-                let error = match (&mut part.handle).await {
+            if let Some(handle) = part.handle.take_if(|h| h.is_finished()) {
+                let error = match handle.await {
                     Ok(Ok(())) => "it ended".to_string(),
                     Ok(Err(e)) => e,
                     Err(e) => e.to_string(),
@@ -343,14 +367,15 @@ impl Pipeline {
     /// Stops every part (projections first, cleanly; then the rest).
     pub async fn stop(self) {
         for part in self.parts.into_iter().rev() {
+            let Some(handle) = part.handle else { continue };
             match part.stop {
                 Some(tx) => {
                     let _ = tx.send(());
-                    let _ = part.handle.await;
+                    let _ = handle.await;
                 }
                 None => {
-                    part.handle.abort();
-                    let _ = part.handle.await;
+                    handle.abort();
+                    let _ = handle.await;
                 }
             }
         }
@@ -395,7 +420,8 @@ async fn committed(kafka: &KafkaConfig, group: &str, of: &Offsets) -> Result<Off
 
 /// A read model's rows, by key: the result of a query, each row as JSON
 /// (`to_jsonb`), so that two models built differently compare by value
-/// (numbers compare as numbers: `10.50` equals `10.5`).
+/// (numbers compare as numbers: `10.50` equals `10.5`, exactly to about 15
+/// significant digits).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rows {
     pub name: String,
@@ -422,7 +448,13 @@ impl Rows {
             else {
                 continue;
             };
-            out.insert(key_text(&map, key), map);
+            let k = key_text(&map, key);
+            if out.insert(k.clone(), map).is_some() {
+                return Err(KitError::DuplicateKey {
+                    name: name.to_string(),
+                    key: k,
+                });
+            }
         }
         Ok(Rows {
             name: name.to_string(),

@@ -285,7 +285,10 @@ headers = ["type", "seq"]
     let file = support::ConfigFile::write(&toml);
     let config = Config::load(&file.path).unwrap_or_else(|e| panic!("config: {e}"));
     let mut pipeline = Pipeline::start(config.clone());
-    support::wait_streaming(&client, &config.source.slot).await;
+    // After the snapshot: a row inserted and deleted while the slot is
+    // still looking for its consistent point is in neither the snapshot
+    // nor the stream (as for any CDC tool).
+    support::wait_snapshot_completed(&config).await;
     // Streamed: inserts (routed), deletes and updates (skipped, a key
     // change too), and a row without a route (quarantined, never dropped).
     for i in 31..=60 {
@@ -390,6 +393,42 @@ async fn topic_config(stack: &Stack, topic: &str, name: &str) -> Option<String> 
         .and_then(|r| r.get(name).and_then(|e| e.value.clone()))
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kit_names_a_part_of_the_pipeline_that_stopped_instead_of_waiting() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "es_stopped").await;
+    let client = db.client().await;
+    // A uuid-keyed outbox with no order_by: its snapshot order would be
+    // random, so the connector refuses it when it sees the table.
+    client
+        .batch_execute(
+            "CREATE TABLE public.outbox (id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+                 aggregatetype text, aggregateid text, payload jsonb)",
+        )
+        .await
+        .expect("outbox");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.outbox"])
+        + "[outbox.\"public.outbox\"]\nroute_by = \"aggregatetype\"\nkey = \"aggregateid\"\nheaders = []\n";
+    let file = support::ConfigFile::write(&toml);
+    let config = Config::load(&file.path).unwrap_or_else(|e| panic!("config: {e}"));
+    let mut pipeline = Pipeline::start(config);
+    let lsn = testkit::current_lsn(&client).await.expect("lsn");
+    let started = std::time::Instant::now();
+    match pipeline.wait_caught_up(&client, &lsn, WAIT).await {
+        Err(testkit::KitError::Stopped { part, error }) => {
+            assert_eq!(part, "connector");
+            assert!(
+                error.contains("outbox.\"public.outbox\".order_by: is required"),
+                "{error}"
+            );
+        }
+        other => panic!("expected the stopped connector, got {other:?}"),
+    }
+    assert!(started.elapsed() < WAIT / 2, "it waited for the timeout");
+    pipeline.stop().await;
+    db.drop_db().await;
+}
+
 /// Runs `commands` through a full pipeline: CDC read models by the
 /// materializer, projections over the domain topics into schema `es`.
 async fn run_ledger(
@@ -435,9 +474,11 @@ async fn run_ledger(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_workload_gives_equal_read_models_through_cdc_and_through_events() {
     let commands = ledger::workload(0x1ed9e7, 25, 400);
+    // The application moved to PaymentInitiated v2 halfway: the live
+    // projections upcast the v1 events they consume.
     let app = AppVersions {
         reason_from: 0,
-        v2_from: 0,
+        v2_from: commands.len() / 2,
     };
     let (source_db, target_db, mut source, mut target, mut pipeline) =
         run_ledger("es_equal", &commands, app).await;
@@ -794,12 +835,6 @@ async fn a_read_model_added_later_rebuilds_fully_from_events_and_from_cdc_only_a
         .sum();
     let records = support::read_topic(&stack, &payments, end, WAIT).await;
     assert_eq!(records.len(), end, "the retained range, whole");
-    for r in &records {
-        assert!(
-            r.offset >= retained[&r.partition],
-            "read below the reported earliest offset"
-        );
-    }
     let mut decoder = support::Decoder::new(&stack);
     let mut from_cdc = BTreeMap::new();
     for r in &records {

@@ -127,6 +127,13 @@ pub async fn check_tables(sql: &Client, config: &Config, tables: &[String]) -> R
         if !config.source.tables.contains(t) {
             return Err(format!("--table {t}: not one of source.tables"));
         }
+        // Its rows are events already routed: reading them again would put
+        // older versions after newer ones in the domain topics.
+        if config.outbox.contains_key(t) {
+            return Err(format!(
+                "--table {t}: an outbox table is not re-snapshotted (its events are in the domain-event topics; rebuild projections from the event store)"
+            ));
+        }
         let (schema, name) =
             split_table(t).ok_or_else(|| format!("--table {t}: not schema.table"))?;
         let (oid, _) = catalog::describe(sql, schema, name)

@@ -195,6 +195,15 @@ impl Output {
                     )));
                 }
             }
+            // The snapshot must follow insertion order: an integer key
+            // does (an identity or a sequence), a uuid does not.
+            let keys: Vec<&ColumnDesc> = codec.desc.columns.iter().filter(|c| c.key).collect();
+            let ordered = matches!(keys.as_slice(), [k] if matches!(k.type_oid, 20 | 21 | 23));
+            if o.order_by.is_none() && !ordered {
+                return Err(RunError::Config(format!(
+                    "outbox.\"{table}\".order_by: is required, because the key of {table} is not one integer column (name the column that orders its events)"
+                )));
+            }
             return Ok(codec);
         }
         let key_id = self
@@ -386,6 +395,13 @@ impl Output {
                 match outbox.topic_for(&self.config.kafka.topic_prefix, &String::from_utf8_lossy(r))
                 {
                     Err(e) => Err(refused(Fault::Encode, e)),
+                    Ok(t) if self.reserved_topic(&t) => Err(refused(
+                        Fault::Encode,
+                        format!(
+                            "the {} value routes to {t}, a topic of pgcdc's own",
+                            outbox.route_by
+                        ),
+                    )),
                     Ok(_) if size > self.config.kafka.max_message_bytes => Err(refused(
                         Fault::TooLarge,
                         format!(
@@ -443,6 +459,17 @@ impl Output {
             .send_with_headers(&topic, key.as_deref(), value.as_deref(), headers)
             .await?;
         self.acks.delivery(f).await.map_err(RunError::Delivery)
+    }
+
+    /// A topic no route may write to: a changelog, the transaction, dead-
+    /// letter, snapshot-marker or offsets topic.
+    fn reserved_topic(&self, topic: &str) -> bool {
+        let c = &self.config;
+        c.source.tables.iter().any(|t| c.topic_for(t) == topic)
+            || topic == transaction_topic(c)
+            || topic == crate::materialize::dlq_topic(c)
+            || topic == snapshot_marker::topic(c)
+            || topic == offsets::topic(c)
     }
 
     /// Creates a domain-event topic the first time it is routed to.
