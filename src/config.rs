@@ -1425,6 +1425,135 @@ url = "http://127.0.0.1:8081"
         );
     }
 
+    /// A table of malformed and contradictory configs: each is refused,
+    /// and the error names exactly the field at fault.
+    #[test]
+    fn every_malformed_or_contradictory_config_names_its_field() {
+        const TARGET: &str = "[target]\nurl = \"postgres://t@127.0.0.1/t\"\n";
+        const MODEL: &str = "[read_models.m]\ntable = \"rm.m\"\nkey = [\"id\"]\nquery = \"SELECT id FROM mirror.orders WHERE id = ANY($1)\"\nsources = [{ table = \"public.orders\", key_columns = [\"id\"] }]\n";
+        let replace = |from: &str, to: &str| {
+            assert!(MINIMAL.contains(from), "{from}");
+            MINIMAL.replacen(from, to, 1)
+        };
+        let append = |extra: &str| format!("{MINIMAL}{extra}");
+        let cases: Vec<(&str, String, &str)> = vec![
+            (
+                "bad pipeline name",
+                replace("name = \"shop\"", "name = \"Shop Floor\""),
+                "name",
+            ),
+            (
+                "slot with a dash",
+                replace("slot = \"pgcdc_shop\"", "slot = \"pgcdc-shop\""),
+                "source.slot",
+            ),
+            (
+                "publication quoted",
+                replace("publication = \"pgcdc_shop\"", "publication = \"pg\\\"x\""),
+                "source.publication",
+            ),
+            (
+                "no tables",
+                replace("tables = [\"public.orders\"]", "tables = []"),
+                "source.tables",
+            ),
+            (
+                "table without schema",
+                replace("[\"public.orders\"]", "[\"orders\"]"),
+                "source.tables[0]",
+            ),
+            (
+                "table listed twice",
+                replace(
+                    "[\"public.orders\"]",
+                    "[\"public.orders\", \"public.orders\"]",
+                ),
+                "source.tables[1]",
+            ),
+            (
+                "not a DSN",
+                replace("postgres://app:hunter2@127.0.0.1:5432/shop", "mysql://x"),
+                "source.url",
+            ),
+            (
+                "a string for a number",
+                replace("[kafka]", "[kafka]\npartitions = \"three\""),
+                "kafka.partitions",
+            ),
+            (
+                "no partitions",
+                replace("[kafka]", "[kafka]\npartitions = 0"),
+                "kafka.partitions",
+            ),
+            (
+                "no brokers",
+                replace("brokers = \"127.0.0.1:9092\"", "brokers = \"\""),
+                "kafka.brokers",
+            ),
+            (
+                "a managed property",
+                append("[kafka.properties]\n\"acks\" = \"1\"\n"),
+                "kafka.properties.\"acks\"",
+            ),
+            (
+                "snapshot without workers",
+                append("[source.snapshot]\nworkers = 0\n"),
+                "source.snapshot.workers",
+            ),
+            (
+                "an unknown snapshot mode",
+                append("[source.snapshot]\nmode = \"sometimes\"\n"),
+                "source.snapshot.mode",
+            ),
+            (
+                "registry not a URL",
+                replace("url = \"http://127.0.0.1:8081\"", "url = \"registry\""),
+                "registry.url",
+            ),
+            ("read model without target", append(MODEL), "target"),
+            (
+                "read model over an uncaptured table",
+                append(&format!(
+                    "{TARGET}{}",
+                    MODEL.replace("table = \"public.orders\"", "table = \"public.items\"")
+                )),
+                "read_models.m.sources[0].table",
+            ),
+            (
+                "batch of nothing",
+                append(&format!("{TARGET}batch_size = 0\n")),
+                "target.batch_size",
+            ),
+            (
+                "an unknown dlq action",
+                append("[dlq.policies.p]\naction = \"ignore\"\n"),
+                "dlq.policies.p.action",
+            ),
+            (
+                "a reach requirement that does not parse",
+                append(&format!("{TARGET}{MODEL}require_reach = \"soon\"\n")),
+                "read_models.m.require_reach",
+            ),
+            (
+                "an outbox table not captured",
+                append("[outbox.\"public.events\"]\n"),
+                "outbox.\"public.events\"",
+            ),
+        ];
+        for (what, text, path) in cases {
+            match load(&text, &[]) {
+                Ok(_) => panic!("{what}: accepted"),
+                Err(e) => {
+                    let paths = paths(e);
+                    assert!(
+                        paths.iter().any(|p| p == path),
+                        "{what}: expected an error at {path}, got {paths:?}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn unknown_nested_field_is_named_by_path() {
         let text = MINIMAL.replace("[kafka]", "[kafka]\nbatch_size = 3");
