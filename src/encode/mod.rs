@@ -697,3 +697,50 @@ mod tests {
         assert_eq!(avro_name("1st"), "_1st");
     }
 }
+
+/// Fuzzing: decoding changelog messages never panics, whatever the bytes.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn value_schema() -> Schema {
+        let desc = TableDesc {
+            schema: "public".into(),
+            table: "t".into(),
+            columns: [
+                ("id", 20, true),
+                ("amount", 1700, false),
+                ("note", 25, false),
+                ("at", 1184, false),
+                ("tags", 1009, false),
+            ]
+            .into_iter()
+            .map(|(name, oid, key)| ColumnDesc {
+                name: name.into(),
+                type_oid: oid,
+                type_modifier: if oid == 1700 { (12 << 16 | 2) + 4 } else { -1 },
+                type_name: String::new(),
+                enum_labels: None,
+                array: oid == 1009,
+                key,
+            })
+            .collect(),
+        };
+        let codec = TableCodec::new("demo.public.t", desc).expect("codec");
+        Schema::parse(&codec.value_schema).expect("schema")
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(5_000))]
+
+        #[test]
+        fn arbitrary_framed_bytes_decode_or_fail_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let schema = value_schema();
+            if let Some((_, datum)) = unframe(&bytes) {
+                let _ = decode_datum(&schema, datum);
+            }
+            let _ = decode_datum(&schema, &bytes);
+        }
+    }
+}

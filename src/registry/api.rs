@@ -416,3 +416,70 @@ async fn test_against_level(
     let problems = s.store.test_compatibility(&subject, None, &schema).await?;
     compatibility_answer(problems, flag(&q, "verbose"))
 }
+
+/// Fuzzing: request parsing never panics, whatever the body.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// JSON built from Avro's schema vocabulary, nested.
+    fn schemaish() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            proptest::sample::select(vec![
+                "null", "boolean", "int", "long", "float", "double", "bytes", "string", "record",
+                "enum", "array", "map", "fixed", "decimal", "uuid", "r", "a.b", "", "0",
+            ])
+            .prop_map(|s| json!(s)),
+            any::<i64>().prop_map(|n| json!(n)),
+            Just(json!(null)),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::vec(
+                    (
+                        proptest::sample::select(vec![
+                            "type",
+                            "name",
+                            "namespace",
+                            "fields",
+                            "items",
+                            "values",
+                            "symbols",
+                            "size",
+                            "logicalType",
+                            "precision",
+                            "scale",
+                            "default",
+                            "aliases",
+                        ]),
+                        inner,
+                    ),
+                    0..5,
+                )
+                .prop_map(|kv| Value::Object(
+                    kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+                )),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(5_000))]
+
+        #[test]
+        fn arbitrary_bodies_are_refused_or_parsed_without_panicking(body in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let body = Bytes::from(body);
+            let _ = schema_from_body(&body);
+            let _ = level_from_body(&body);
+            let _ = Credentials::parse(&String::from_utf8_lossy(&body));
+        }
+
+        #[test]
+        fn schema_shaped_bodies_are_refused_or_parsed_without_panicking(schema in schemaish()) {
+            let body = Bytes::from(json!({ "schema": schema.to_string() }).to_string());
+            let _ = schema_from_body(&body);
+        }
+    }
+}

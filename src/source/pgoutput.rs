@@ -657,3 +657,29 @@ mod tests {
         }
     }
 }
+
+/// Fuzzing: the decoder never panics, whatever the bytes.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(20_000))]
+
+        #[test]
+        fn arbitrary_bytes_decode_or_fail_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(&bytes);
+        }
+
+        #[test]
+        fn every_message_tag_with_arbitrary_bytes_is_safe(
+            tag in proptest::sample::select(b"BCRYIUDTMOKNu".to_vec()),
+            rest in proptest::collection::vec(any::<u8>(), 0..256),
+        ) {
+            let mut bytes = vec![tag];
+            bytes.extend(rest);
+            let _ = decode(&bytes);
+        }
+    }
+}
