@@ -1068,12 +1068,8 @@ impl Config {
                 &base,
                 "is not one of source.tables",
             );
-            let probe = o
-                .topic
-                .replace("{prefix}", &self.kafka.topic_prefix)
-                .replace("{route}", "r");
             v.check(
-                is_topic_name(&probe)
+                o.topic_for(&self.kafka.topic_prefix, "r").is_ok()
                     && !o
                         .topic
                         .replace("{prefix}", "")

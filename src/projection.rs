@@ -77,6 +77,16 @@ pub enum ProjectionError {
     Kafka(#[from] rdkafka::error::KafkaError),
 }
 
+/// Names the projection in a Postgres error.
+fn pg_error(
+    projection: &dyn Projection,
+) -> impl Fn(tokio_postgres::Error) -> ProjectionError + Copy + '_ {
+    move |source| ProjectionError::Postgres {
+        projection: projection.name().to_string(),
+        source,
+    }
+}
+
 /// One write of a projection: a statement and its parameters.
 #[derive(Debug)]
 pub struct Write {
@@ -229,10 +239,7 @@ fn timestamptz_ms(text: &str) -> Option<i64> {
 /// lock: projections starting together would collide in `CREATE ... IF
 /// NOT EXISTS` (a unique violation in the catalog).
 pub async fn prepare(db: &Client, projection: &dyn Projection) -> Result<(), ProjectionError> {
-    let pg = |source| ProjectionError::Postgres {
-        projection: projection.name().to_string(),
-        source,
-    };
+    let pg = pg_error(projection);
     let ddl = format!(
         "BEGIN;
          SELECT pg_advisory_xact_lock(hashtextextended('pgcdc_projection:prepare', 0));
@@ -269,10 +276,7 @@ async fn apply_one(
     at: &str,
     counts: &mut Applied,
 ) -> Result<(), ProjectionError> {
-    let pg = |source| ProjectionError::Postgres {
-        projection: projection.name().to_string(),
-        source,
-    };
+    let pg = pg_error(projection);
     let applied: i64 = tx
         .query_opt(
             &format!(
@@ -344,10 +348,7 @@ pub async fn rebuild(
     projection: &dyn Projection,
     upcasters: &Upcasters,
 ) -> Result<Applied, ProjectionError> {
-    let pg = |source| ProjectionError::Postgres {
-        projection: projection.name().to_string(),
-        source,
-    };
+    let pg = pg_error(projection);
     prepare(db, projection).await?;
     let tx = db.transaction().await.map_err(pg)?;
     lock(&tx, projection).await.map_err(pg)?;
@@ -409,10 +410,7 @@ pub async fn follow(
     upcasters: Arc<Upcasters>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<Applied, ProjectionError> {
-    let pg = |source| ProjectionError::Postgres {
-        projection: projection.name().to_string(),
-        source,
-    };
+    let pg = pg_error(&*projection);
     let mut db = source::connect(url).await.map_err(pg)?;
     prepare(&db, projection.as_ref()).await?;
     sink::ensure_event_topics(kafka, topics).await?;
@@ -505,10 +503,7 @@ async fn apply_batch(
     upcasters: &Upcasters,
     batch: &[rdkafka::message::OwnedMessage],
 ) -> Result<Applied, ProjectionError> {
-    let pg = |source| ProjectionError::Postgres {
-        projection: projection.name().to_string(),
-        source,
-    };
+    let pg = pg_error(projection);
     let mut counts = Applied::default();
     let tx = db.transaction().await.map_err(pg)?;
     lock(&tx, projection).await.map_err(pg)?;

@@ -138,6 +138,13 @@ pub async fn current_lsn(client: &Client) -> Result<String, KitError> {
         .get(0))
 }
 
+/// What one look at a condition found.
+enum Probe<T> {
+    Done(T),
+    /// Not yet: what is missing, in words.
+    Missing(String),
+}
+
 struct Part {
     name: String,
     /// `None` once it ended and its result was reported.
@@ -183,10 +190,7 @@ impl Pipeline {
         });
         if let Some(target) = &config.target {
             let c = config.clone();
-            let group = target
-                .group_id
-                .clone()
-                .unwrap_or_else(|| format!("pgcdc-{}", config.name));
+            let group = crate::materialize::group_id(&config, target);
             let topics = config
                 .changelog_tables()
                 .map(|t| config.topic_for(t))
@@ -248,33 +252,30 @@ impl Pipeline {
         lsn: &str,
         timeout: Duration,
     ) -> Result<(), KitError> {
-        let started = Instant::now();
+        let deadline = (Instant::now(), timeout);
         let slot = self.config.source.slot.clone();
         // A slot confirms its consistent point as soon as it exists, while
         // the snapshot of what was written before is still on its way to
         // Kafka: that snapshot must have completed first.
         if self.config.source.snapshot.mode != crate::config::SnapshotMode::Never {
-            let topic = crate::snapshot_marker::topic(&self.config);
-            loop {
-                self.check_running().await?;
-                let marker = crate::snapshot_marker::latest(&self.config.kafka, &topic, &slot)
+            self.until(deadline, async |config: &Config| {
+                let topic = crate::snapshot_marker::topic(config);
+                let marker = crate::snapshot_marker::latest(&config.kafka, &topic, &slot)
                     .await
                     .ok()
                     .flatten();
-                if marker.is_some_and(|m| m.phase == crate::snapshot_marker::Phase::Completed) {
-                    break;
-                }
-                if started.elapsed() > timeout {
-                    return Err(KitError::Timeout {
-                        waited: started.elapsed(),
-                        missing: format!("the initial snapshot of slot {slot} has not completed"),
-                    });
-                }
-                tokio::time::sleep(POLL).await;
-            }
+                Ok(match marker {
+                    Some(m) if m.phase == crate::snapshot_marker::Phase::Completed => {
+                        Probe::Done(())
+                    }
+                    _ => Probe::Missing(format!(
+                        "the initial snapshot of slot {slot} has not completed"
+                    )),
+                })
+            })
+            .await?;
         }
-        loop {
-            self.check_running().await?;
+        self.until(deadline, async |_: &Config| {
             let reached: bool = source
                 .query_one(
                     "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1
@@ -283,67 +284,72 @@ impl Pipeline {
                 )
                 .await?
                 .get(0);
-            if reached {
-                break;
-            }
-            if started.elapsed() > timeout {
-                return Err(KitError::Timeout {
-                    waited: started.elapsed(),
-                    missing: format!("slot {slot} has not confirmed {lsn}"),
-                });
-            }
-            tokio::time::sleep(POLL).await;
-        }
+            Ok(if reached {
+                Probe::Done(())
+            } else {
+                Probe::Missing(format!("slot {slot} has not confirmed {lsn}"))
+            })
+        })
+        .await?;
         let groups: Vec<(String, Vec<String>)> =
             self.parts.iter().filter_map(|p| p.group.clone()).collect();
         for (group, topics) in groups {
             // A topic not created yet is not caught up with.
-            let ends = loop {
-                self.check_running().await?;
-                let ends = end_offsets(&self.config.kafka, &topics).await?;
-                let missing: Vec<&String> = topics
-                    .iter()
-                    .filter(|t| !ends.keys().any(|(name, _)| name == *t))
-                    .collect();
-                if missing.is_empty() {
-                    break ends;
-                }
-                if started.elapsed() > timeout {
-                    return Err(KitError::Timeout {
-                        waited: started.elapsed(),
-                        missing: format!("group {group}: no topic {missing:?}"),
-                    });
-                }
-                tokio::time::sleep(POLL).await;
-            };
-            loop {
-                self.check_running().await?;
-                let committed = committed(&self.config.kafka, &group, &ends).await?;
+            let ends = self
+                .until(deadline, async |config: &Config| {
+                    let ends = end_offsets(&config.kafka, &topics).await?;
+                    let missing: Vec<&String> = topics
+                        .iter()
+                        .filter(|t| !ends.keys().any(|(name, _)| name == *t))
+                        .collect();
+                    Ok(if missing.is_empty() {
+                        Probe::Done(ends)
+                    } else {
+                        Probe::Missing(format!("group {group}: no topic {missing:?}"))
+                    })
+                })
+                .await?;
+            self.until(deadline, async |config: &Config| {
+                let committed = committed(&config.kafka, &group, &ends).await?;
                 let behind: Vec<String> = ends
                     .iter()
-                    .filter(|(tp, end)| {
-                        **end > 0 && committed.get(*tp).copied().unwrap_or(0) < **end
-                    })
-                    .map(|((t, p), end)| {
-                        format!(
-                            "{t}[{p}] at {} of {end}",
-                            committed.get(&(t.clone(), *p)).copied().unwrap_or(0)
-                        )
+                    .filter_map(|(tp, end)| {
+                        let at = committed.get(tp).copied().unwrap_or(0);
+                        (*end > 0 && at < *end)
+                            .then(|| format!("{}[{}] at {at} of {end}", tp.0, tp.1))
                     })
                     .collect();
-                if behind.is_empty() {
-                    break;
-                }
-                if started.elapsed() > timeout {
-                    return Err(KitError::Timeout {
-                        waited: started.elapsed(),
-                        missing: format!("group {group}: {}", behind.join(", ")),
-                    });
-                }
-                tokio::time::sleep(POLL).await;
-            }
+                Ok(if behind.is_empty() {
+                    Probe::Done(())
+                } else {
+                    Probe::Missing(format!("group {group}: {}", behind.join(", ")))
+                })
+            })
+            .await?;
         }
         Ok(())
+    }
+
+    /// Polls `probe` until it is done: fails at once when a part of the
+    /// pipeline stopped, and with what is missing once `deadline` passed.
+    async fn until<T>(
+        &mut self,
+        (started, timeout): (Instant, Duration),
+        mut probe: impl AsyncFnMut(&Config) -> Result<Probe<T>, KitError>,
+    ) -> Result<T, KitError> {
+        loop {
+            self.check_running().await?;
+            match probe(&self.config).await? {
+                Probe::Done(t) => return Ok(t),
+                Probe::Missing(missing) if started.elapsed() > timeout => {
+                    return Err(KitError::Timeout {
+                        waited: started.elapsed(),
+                        missing,
+                    })
+                }
+                Probe::Missing(_) => tokio::time::sleep(POLL).await,
+            }
+        }
     }
 
     /// An error when a part of the pipeline has ended.

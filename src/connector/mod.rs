@@ -195,11 +195,7 @@ impl Output {
                     )));
                 }
             }
-            // The snapshot must follow insertion order: an integer key
-            // does (an identity or a sequence), a uuid does not.
-            let keys: Vec<&ColumnDesc> = codec.desc.columns.iter().filter(|c| c.key).collect();
-            let ordered = matches!(keys.as_slice(), [k] if matches!(k.type_oid, 20 | 21 | 23));
-            if o.order_by.is_none() && !ordered {
+            if snapshot_order(o, &codec.desc).is_none() {
                 return Err(RunError::Config(format!(
                     "outbox.\"{table}\".order_by: is required, because the key of {table} is not one integer column (name the column that orders its events)"
                 )));
@@ -374,15 +370,12 @@ impl Output {
             "pgcdc.lsn".into(),
             Some(Lsn(src.lsn).to_string().into_bytes()),
         ));
-        fn refused(fault: Fault<'static>, error: String) -> (Fault<'static>, String) {
-            (fault, error)
-        }
         let routed = match (&key, &value, &route) {
-            (None, _, _) => Err(refused(
+            (None, _, _) => Err((
                 Fault::Encode,
                 format!("the key column {} is NULL", outbox.key),
             )),
-            (_, _, None) => Err(refused(
+            (_, _, None) => Err((
                 Fault::Encode,
                 format!("the route column {} is NULL", outbox.route_by),
             )),
@@ -394,15 +387,15 @@ impl Output {
                 let size = k.len() + v.as_ref().map_or(0, Vec::len) + header_bytes;
                 match outbox.topic_for(&self.config.kafka.topic_prefix, &String::from_utf8_lossy(r))
                 {
-                    Err(e) => Err(refused(Fault::Encode, e)),
-                    Ok(t) if self.reserved_topic(&t) => Err(refused(
+                    Err(e) => Err((Fault::Encode, e)),
+                    Ok(t) if self.reserved_topic(&t) => Err((
                         Fault::Encode,
                         format!(
                             "the {} value routes to {t}, a topic of pgcdc's own",
                             outbox.route_by
                         ),
                     )),
-                    Ok(_) if size > self.config.kafka.max_message_bytes => Err(refused(
+                    Ok(_) if size > self.config.kafka.max_message_bytes => Err((
                         Fault::TooLarge,
                         format!(
                             "{size} bytes, over kafka.max_message_bytes ({})",
@@ -462,8 +455,12 @@ impl Output {
     }
 
     /// A topic no route may write to: a changelog, the transaction, dead-
-    /// letter, snapshot-marker or offsets topic.
+    /// letter, snapshot-marker or offsets topic. A topic already routed to
+    /// passed this check when it was created.
     fn reserved_topic(&self, topic: &str) -> bool {
+        if self.known_domain_topic(topic) {
+            return false;
+        }
         let c = &self.config;
         c.source.tables.iter().any(|t| c.topic_for(t) == topic)
             || topic == transaction_topic(c)
@@ -472,14 +469,16 @@ impl Output {
             || topic == offsets::topic(c)
     }
 
-    /// Creates a domain-event topic the first time it is routed to.
-    async fn ensure_domain_topic(&self, topic: &str) -> Result<(), RunError> {
-        if self
-            .domain_topics
+    fn known_domain_topic(&self, topic: &str) -> bool {
+        self.domain_topics
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(topic)
-        {
+    }
+
+    /// Creates a domain-event topic the first time it is routed to.
+    async fn ensure_domain_topic(&self, topic: &str) -> Result<(), RunError> {
+        if self.known_domain_topic(topic) {
             return Ok(());
         }
         sink::ensure_event_topics(&self.config.kafka, &[topic.to_string()]).await?;
@@ -554,6 +553,29 @@ impl Output {
         }
         Ok(())
     }
+}
+
+/// The table's one integer key column (an identity or a sequence), if
+/// its key is exactly that.
+fn integer_key(desc: &TableDesc) -> Option<&ColumnDesc> {
+    let keys: Vec<&ColumnDesc> = desc.columns.iter().filter(|c| c.key).collect();
+    match keys.as_slice() {
+        [key] if matches!(key.type_oid, 20 | 21 | 23) => Some(key),
+        _ => None,
+    }
+}
+
+/// The column that orders an outbox table's snapshot in insertion order:
+/// `order_by`, else an integer key; `None` when neither (a uuid key does
+/// not follow insertion order).
+fn snapshot_order<'a>(
+    outbox: &'a crate::config::OutboxConfig,
+    desc: &'a TableDesc,
+) -> Option<&'a str> {
+    outbox
+        .order_by
+        .as_deref()
+        .or_else(|| integer_key(desc).map(|k| k.name.as_str()))
 }
 
 /// A change refused from its topic: why, and its bytes.
@@ -1001,12 +1023,9 @@ async fn plan_table(
     let mut chunks = vec![None];
     // An outbox table is copied whole and in key order (see copy_chunk).
     if n > 1 && !output.config.outbox.contains_key(table) {
-        let int_key: Vec<&ColumnDesc> = desc.columns.iter().filter(|c| c.key).collect();
-        chunks = match int_key.as_slice() {
-            [key] if matches!(key.type_oid, 20 | 21 | 23) => {
-                key_chunks(&client, &qualified, &slot::quote_ident(&key.name), n).await?
-            }
-            _ => Vec::new(),
+        chunks = match integer_key(&desc) {
+            Some(key) => key_chunks(&client, &qualified, &slot::quote_ident(&key.name), n).await?,
+            None => Vec::new(),
         };
         if chunks.is_empty() {
             chunks = block_chunks(&client, oid, n).await?;
@@ -1288,30 +1307,14 @@ async fn copy_chunk(
         });
     }
     // Events of a stream keep their order: an outbox table's rows go out
-    // in key order (insertion order for an identity key), in one chunk.
-    let order = if let Some(by) = output
+    // in its snapshot order, in one chunk.
+    let order = output
         .config
         .outbox
         .get(&table)
-        .and_then(|o| o.order_by.as_ref())
-    {
-        format!(" ORDER BY {}", slot::quote_ident(by))
-    } else if output.config.outbox.contains_key(&table) {
-        let keys: Vec<String> = codec
-            .desc
-            .columns
-            .iter()
-            .filter(|c| c.key)
-            .map(|c| slot::quote_ident(&c.name))
-            .collect();
-        if keys.is_empty() {
-            String::new()
-        } else {
-            format!(" ORDER BY {}", keys.join(", "))
-        }
-    } else {
-        String::new()
-    };
+        .and_then(|o| snapshot_order(o, &codec.desc))
+        .map(|by| format!(" ORDER BY {}", slot::quote_ident(by)))
+        .unwrap_or_default();
     let copy = format!(
         "COPY (SELECT {columns} FROM {qualified}{}{order}) TO STDOUT",
         condition.map(|c| format!(" WHERE {c}")).unwrap_or_default()

@@ -135,6 +135,15 @@ impl MaterializeError {
 }
 
 /// `<prefix>.dlq`.
+/// The materializer's consumer group: `target.group_id`, else
+/// `pgcdc-<name>`.
+pub fn group_id(config: &Config, target: &crate::config::TargetConfig) -> String {
+    target
+        .group_id
+        .clone()
+        .unwrap_or_else(|| format!("pgcdc-{}", config.name))
+}
+
 pub fn dlq_topic(config: &Config) -> String {
     format!("{}.dlq", config.kafka.topic_prefix)
 }
@@ -741,10 +750,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         max_message_bytes: config.kafka.max_message_bytes,
     };
 
-    let group = target
-        .group_id
-        .clone()
-        .unwrap_or_else(|| format!("pgcdc-{}", config.name));
+    let group = group_id(&config, &target);
     let consumer: StreamConsumer = sink::client_config(&config.kafka)
         .set("group.id", &group)
         .set("enable.auto.commit", "false")
