@@ -430,8 +430,9 @@ async fn slot_command(action: SlotAction) -> Result<u8, Failure> {
     let name = &config.source.slot;
     let client = source::connect(&config.source.url).await.map_err(|e| {
         Failure(format!(
-            "cannot connect to {}: {e}",
-            config.source.url.redacted()
+            "cannot connect to {}: {}",
+            config.source.url.redacted(),
+            source::error_text(&e)
         ))
     })?;
     match action {
@@ -454,8 +455,35 @@ async fn slot_command(action: SlotAction) -> Result<u8, Failure> {
             "dropping slot '{name}' loses its position in the WAL; add --yes to confirm"
         ))),
         SlotAction::Drop { yes: true, .. } => {
-            slot::drop(&client, name).await?;
-            println!("slot '{name}' dropped");
+            match slot::drop(&client, name).await {
+                Ok(()) => println!("slot '{name}' dropped"),
+                // Gone already (dropped outside pgcdc): recording that is
+                // the whole of the recovery's first step.
+                Err(slot::SlotError::Missing(_)) => println!("slot '{name}' does not exist"),
+                Err(e) => return Err(e.into()),
+            }
+            // So the next `pgcdc run` knows the drop was meant, creates a
+            // new slot and takes a new snapshot.
+            let marker = crate::snapshot_marker::dropped(name, crate::connector::now_ms());
+            let recorded = async {
+                crate::snapshot_marker::ensure_topic(&config)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let producer = crate::sink::Producer::create(&config.kafka, None)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                crate::snapshot_marker::write(&producer, &config, &marker).await
+            };
+            recorded.await.map_err(|e| {
+                Failure(format!(
+                    "recording the drop in {} failed: {e}; run `pgcdc slot drop --yes` again once Kafka is reachable (the next `pgcdc run` refuses to start until then)",
+                    crate::snapshot_marker::topic(&config)
+                ))
+            })?;
+            println!(
+                "recorded in {}: the next `pgcdc run` creates a new slot and takes a new snapshot",
+                crate::snapshot_marker::topic(&config)
+            );
             Ok(exit::OK)
         }
     }

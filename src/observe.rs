@@ -5,6 +5,8 @@
 
 use std::net::SocketAddr;
 
+/// Connector restarts after an outage, by `cause` (source, broker, registry).
+pub const CONNECTOR_RESTARTS: &str = "pgcdc_connector_restarts_total";
 /// Change events produced, by `table` and `op` (c, u, d, r, t).
 pub const EVENTS: &str = "pgcdc_events_total";
 /// Bytes of Avro payload produced, by `table`.

@@ -139,7 +139,8 @@ pub async fn run(config: &Config) -> Report {
 async fn connect_timed(dsn: &Dsn) -> Result<Client, String> {
     match tokio::time::timeout(CHECK_TIMEOUT, crate::source::connect(dsn)).await {
         Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(e.to_string()),
+        // The server's message, not tokio-postgres' bare "db error".
+        Ok(Err(e)) => Err(crate::source::error_text(&e)),
         Err(_) => Err(format!("no answer within {}s", CHECK_TIMEOUT.as_secs())),
     }
 }
@@ -471,7 +472,27 @@ async fn check_slot(
     let src = &config.source;
     let name = "postgres.slot";
     let Some(status) = crate::source::slot::status(client, &src.slot).await? else {
-        r.pass(name, format!("slot '{}' does not exist yet; `pgcdc run` creates it and takes the initial snapshot", src.slot));
+        let topic = crate::snapshot_marker::topic(config);
+        let markers = crate::snapshot_marker::latest(&config.kafka, &topic, &src.slot).await;
+        let gone = markers
+            .as_ref()
+            .ok()
+            .and_then(|m| crate::snapshot_marker::vanished(m.as_slice(), &src.slot));
+        match (gone, markers) {
+            (Some(m), _) if src.snapshot.mode != crate::config::SnapshotMode::Always => {
+                let e = crate::source::slot::SlotError::Vanished {
+                    slot: src.slot.clone(),
+                    consistent_point: m.consistent_point.unwrap_or_else(|| "?".into()),
+                };
+                r.fail(
+                    name,
+                    e.to_string(),
+                    crate::source::slot::recovery_hint(&src.slot),
+                );
+            }
+            (_, Err(e)) => r.pass(name, format!("slot '{}' does not exist; `pgcdc run` creates it and takes the initial snapshot (whether it existed before could not be read from {topic}: {e})", src.slot)),
+            _ => r.pass(name, format!("slot '{}' does not exist yet; `pgcdc run` creates it and takes the initial snapshot", src.slot)),
+        }
         return Ok(());
     };
     let current_db: String = client

@@ -47,6 +47,37 @@ pub fn client_config(kafka: &KafkaConfig) -> ClientConfig {
     cc
 }
 
+/// Whether the broker's answer is one a retry cannot change: bad
+/// credentials, a missing permission, a fenced transactional producer, or
+/// a client setting librdkafka refuses. (What to do about it is decided in
+/// [`crate::dlq::classify`].)
+pub fn refused(e: &KafkaError) -> bool {
+    use RDKafkaErrorCode as C;
+    if matches!(
+        e,
+        KafkaError::ClientConfig(..) | KafkaError::ClientCreation(_)
+    ) {
+        return true;
+    }
+    matches!(
+        e.rdkafka_error_code(),
+        Some(
+            C::Authentication
+                | C::SaslAuthenticationFailed
+                | C::TopicAuthorizationFailed
+                | C::GroupAuthorizationFailed
+                | C::ClusterAuthorizationFailed
+                | C::TransactionalIdAuthorizationFailed
+                | C::DelegationTokenAuthorizationFailed
+                | C::ProducerFenced
+                | C::InvalidProducerEpoch
+                | C::Fenced
+                | C::InvalidConfig
+                | C::InvalidArgument
+        )
+    )
+}
+
 /// Producer queue bound when the user sets none: 64 MiB.
 pub const DEFAULT_QUEUE_KBYTES: &str = "65536";
 /// Kafka transaction timeout when the user sets none: 15 minutes, the

@@ -118,6 +118,41 @@ impl Marker {
     }
 }
 
+/// Whether a slot that does not exist now had streamed before: the latest
+/// initial marker of its name is `completed`. Such a slot was dropped (or
+/// removed) outside pgcdc, and changes after its last confirmed LSN may
+/// never have reached Kafka, so the connector refuses to start over
+/// silently.
+pub fn vanished(markers: &[Marker], slot: &str) -> Option<Marker> {
+    markers
+        .iter()
+        .rfind(|m| m.key() == slot)
+        .filter(|m| m.kind == Kind::Initial && m.phase == Phase::Completed)
+        .cloned()
+}
+
+/// The marker `pgcdc slot drop` writes after dropping the slot: the history
+/// in Kafka breaks here, and the next start creates a new slot and takes a
+/// new snapshot. It reads as an initial snapshot not yet finished.
+pub fn dropped(slot: &str, ts_ms: i64) -> Marker {
+    Marker {
+        slot: slot.to_string(),
+        phase: Phase::Started,
+        kind: Kind::Initial,
+        id: None,
+        tables: Vec::new(),
+        cursor: None,
+        consistent_ts_ms: None,
+        error: Some("the slot was dropped with `pgcdc slot drop`".into()),
+        consistent_point: None,
+        start_offsets: BTreeMap::new(),
+        end_offsets: BTreeMap::new(),
+        rows: BTreeMap::new(),
+        chunks: BTreeMap::new(),
+        ts_ms,
+    }
+}
+
 /// The record key of an incremental snapshot's markers.
 pub fn incremental_key(slot: &str, id: &str) -> String {
     format!("{slot}/incremental/{id}")
@@ -196,4 +231,39 @@ pub async fn end_offsets(
             )
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn initial(slot: &str, phase: Phase) -> Marker {
+        Marker {
+            phase,
+            consistent_point: Some("0/10".into()),
+            ..dropped(slot, 1)
+        }
+    }
+
+    #[test]
+    fn a_missing_slot_vanished_only_if_its_latest_initial_marker_completed() {
+        let completed = initial("s", Phase::Completed);
+        assert_eq!(
+            vanished(std::slice::from_ref(&completed), "s"),
+            Some(completed.clone())
+        );
+        // Never started, an interrupted snapshot, or a drop pgcdc recorded.
+        assert_eq!(vanished(&[], "s"), None);
+        assert_eq!(vanished(&[initial("s", Phase::Started)], "s"), None);
+        assert_eq!(vanished(&[completed.clone(), dropped("s", 2)], "s"), None);
+        // Other slots and incremental markers do not count.
+        assert_eq!(vanished(std::slice::from_ref(&completed), "t"), None);
+        let mut incremental = completed.clone();
+        incremental.kind = Kind::Incremental;
+        incremental.id = Some("x".into());
+        assert_eq!(
+            vanished(&[initial("s", Phase::Started), incremental], "s"),
+            None
+        );
+    }
 }

@@ -125,7 +125,7 @@ pub(crate) async fn wait_converged(
 }
 
 /// A small deterministic generator, so a failure can be replayed.
-pub(crate) struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
     pub(crate) fn next(&mut self) -> u64 {
@@ -139,62 +139,76 @@ impl Rng {
     }
 }
 
-/// About `changes` row changes in transactions of up to 50 statements:
-/// order inserts, updates and deletes, orders moving between customers,
-/// customer renames and tier changes, new customers, and one truncate of
-/// the orders halfway.
-pub(crate) async fn workload(client: &tokio_postgres::Client, changes: usize, seed: u64) {
-    let mut rng = Rng(seed);
-    // New ids above every existing one, so workloads can follow each other.
+/// The next unused order and customer ids, above every existing one, so
+/// workloads can follow each other.
+pub(crate) async fn next_ids(
+    client: &tokio_postgres::Client,
+) -> Result<(i64, i64), tokio_postgres::Error> {
     let row = client
         .query_one(
             "SELECT greatest(2000000, (SELECT coalesce(max(id), 0) + 1 FROM public.orders)),
                     greatest(1000, (SELECT coalesce(max(id), 0) + 1 FROM public.customers))",
             &[],
         )
-        .await
-        .expect("next ids");
-    let (mut next_order, mut next_customer): (i64, i64) = (row.get(0), row.get(1));
+        .await?;
+    Ok((row.get(0), row.get(1)))
+}
+
+/// One random row change of the demo schema: an order insert, update or
+/// delete, an order moving between customers, a customer renamed or
+/// changing tier, or a new customer. Customers are never deleted, and
+/// statements that could break a foreign key are guarded.
+pub(crate) fn statement(rng: &mut Rng, next_order: &mut i64, next_customer: &mut i64) -> String {
+    let customer = 1 + rng.below(*next_customer as u64 - 1) as i64;
+    let order = 1_000_000 + rng.below((*next_order - 1_000_000) as u64) as i64;
+    match rng.below(10) {
+        0..=3 => {
+            let sql = format!(
+                "INSERT INTO public.orders (id, customer_id, amount, status, note)
+                 SELECT {next_order}, {customer}, {}.{:02}, 'new', {} WHERE EXISTS (SELECT 1 FROM public.customers WHERE id = {customer});",
+                rng.below(1000),
+                rng.below(100),
+                if rng.below(3) == 0 { "NULL".to_string() } else { format!("'note {}'", rng.below(100)) }
+            );
+            *next_order += 1;
+            sql
+        }
+        4 | 5 => format!(
+            "UPDATE public.orders SET amount = amount + {}, status = 'paid' WHERE id = {order};",
+            rng.below(50)
+        ),
+        6 => format!("DELETE FROM public.orders WHERE id = {order};"),
+        7 => format!(
+            "UPDATE public.orders SET customer_id = {customer} WHERE id = {order}
+             AND EXISTS (SELECT 1 FROM public.customers WHERE id = {customer});"
+        ),
+        8 => format!(
+            "UPDATE public.customers SET name = 'renamed {}', tier = {} WHERE id = {customer};",
+            rng.below(1000),
+            if rng.below(2) == 0 { "'gold'" } else { "NULL" }
+        ),
+        _ => {
+            let sql = format!(
+                "INSERT INTO public.customers (id, name, tier, tenant_id) VALUES ({next_customer}, 'customer {next_customer}', 'silver', {});",
+                rng.below(5)
+            );
+            *next_customer += 1;
+            sql
+        }
+    }
+}
+
+/// About `changes` row changes ([`statement`]) in transactions of up to 50
+/// statements, and one truncate of the orders halfway.
+pub(crate) async fn workload(client: &tokio_postgres::Client, changes: usize, seed: u64) {
+    let mut rng = Rng(seed);
+    let (mut next_order, mut next_customer) = next_ids(client).await.expect("next ids");
     let mut done = 0;
     let mut truncated = false;
     while done < changes {
         let mut sql = String::from("BEGIN;");
         for _ in 0..(1 + rng.below(50)) {
-            let customer = 1 + rng.below(next_customer as u64 - 1) as i64;
-            let order = 1_000_000 + rng.below((next_order - 1_000_000) as u64) as i64;
-            match rng.below(10) {
-                0..=3 => {
-                    sql.push_str(&format!(
-                        "INSERT INTO public.orders (id, customer_id, amount, status, note)
-                         SELECT {next_order}, {customer}, {}.{:02}, 'new', {} WHERE EXISTS (SELECT 1 FROM public.customers WHERE id = {customer});",
-                        rng.below(1000),
-                        rng.below(100),
-                        if rng.below(3) == 0 { "NULL".to_string() } else { format!("'note {}'", rng.below(100)) }
-                    ));
-                    next_order += 1;
-                }
-                4 | 5 => sql.push_str(&format!(
-                    "UPDATE public.orders SET amount = amount + {}, status = 'paid' WHERE id = {order};",
-                    rng.below(50)
-                )),
-                6 => sql.push_str(&format!("DELETE FROM public.orders WHERE id = {order};")),
-                7 => sql.push_str(&format!(
-                    "UPDATE public.orders SET customer_id = {customer} WHERE id = {order}
-                     AND EXISTS (SELECT 1 FROM public.customers WHERE id = {customer});"
-                )),
-                8 => sql.push_str(&format!(
-                    "UPDATE public.customers SET name = 'renamed {}', tier = {} WHERE id = {customer};",
-                    rng.below(1000),
-                    if rng.below(2) == 0 { "'gold'" } else { "NULL" }
-                )),
-                _ => {
-                    sql.push_str(&format!(
-                        "INSERT INTO public.customers (id, name, tier, tenant_id) VALUES ({next_customer}, 'customer {next_customer}', 'silver', {});",
-                        rng.below(5)
-                    ));
-                    next_customer += 1;
-                }
-            }
+            sql.push_str(&statement(&mut rng, &mut next_order, &mut next_customer));
             done += 1;
         }
         if !truncated && done >= changes / 2 {
@@ -428,8 +442,13 @@ async fn change_events(stack: &Stack, source_db: &TestDb) -> usize {
 
 /// The sum of a topic's partition end offsets.
 pub(crate) async fn end_offsets(stack: &Stack, topic: &str) -> i64 {
+    end_offsets_at(&stack.brokers, topic).await
+}
+
+/// The sum of a topic's end offsets, on the brokers given.
+pub(crate) async fn end_offsets_at(brokers: &str, topic: &str) -> i64 {
     use rdkafka::consumer::{BaseConsumer, Consumer};
-    let (brokers, topic) = (stack.brokers.clone(), topic.to_string());
+    let (brokers, topic) = (brokers.to_string(), topic.to_string());
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)

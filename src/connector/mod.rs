@@ -673,8 +673,84 @@ fn pg_time_to_ms(micros: i64) -> i64 {
 }
 
 /// Runs the connector until SIGINT/SIGTERM or an error.
+impl RunError {
+    /// What the connector does with this error: retry after a backoff (an
+    /// outage of Postgres, the broker or the registry) or stop. Decided by
+    /// [`classify`].
+    pub fn verdict(&self) -> Verdict {
+        use pgwire_replication::PgWireError as W;
+        let fault = match self {
+            RunError::Postgres(e) | RunError::Slot(slot::SlotError::Postgres(e)) => Fault::Source {
+                sqlstate: e.code().map(|c| c.code()),
+            },
+            RunError::Replication(W::Io(_) | W::Task(_)) => Fault::Source { sqlstate: None },
+            RunError::Replication(W::Server(text)) => Fault::Source {
+                sqlstate: sqlstate_in(text),
+            },
+            RunError::Kafka(e) => Fault::Broker {
+                refused: sink::refused(e),
+            },
+            RunError::Delivery(_) => Fault::Broker { refused: false },
+            RunError::Registry(ClientError::Unreachable(_)) => Fault::Register { status: None },
+            RunError::Registry(ClientError::Refused { status, .. }) => Fault::Register {
+                status: Some(*status),
+            },
+            _ => return Verdict::Stop,
+        };
+        classify(&fault)
+    }
+}
+
+/// The SQLSTATE in a server error's text (`... (SQLSTATE 57P01)`).
+fn sqlstate_in(text: &str) -> Option<&str> {
+    let (_, rest) = text.rsplit_once("(SQLSTATE ")?;
+    rest.strip_suffix(')').filter(|c| c.len() == 5)
+}
+
+/// First wait after a failed attempt; it doubles up to [`RESTART_MAX_BACKOFF`].
+const RESTART_BACKOFF: Duration = Duration::from_secs(1);
+const RESTART_MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// An attempt that ran this long was healthy: the next failure starts the
+/// backoff again from [`RESTART_BACKOFF`].
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
+
+/// Runs the connector until shutdown. An outage of Postgres, the broker or
+/// the registry ([`RunError::verdict`]) restarts it after a backoff, from
+/// the slot's confirmed LSN, so nothing is lost and nothing is skipped;
+/// any other error stops it.
+///
+/// ```text
+///  attempt ──► error ──► classify ──► Retry: warn, back off (1 s doubling to 30 s), attempt again
+///                                 └─► Stop: return the error
+/// ```
 pub async fn run(config: Config) -> Result<(), RunError> {
     let config = Arc::new(config);
+    let mut shutdown =
+        crate::Shutdown::install().map_err(|e| RunError::Config(format!("signals: {e}")))?;
+    let mut backoff = RESTART_BACKOFF;
+    loop {
+        let started = std::time::Instant::now();
+        let error = match run_once(config.clone(), &mut shutdown).await {
+            Ok(()) => return Ok(()),
+            Err(e) => e,
+        };
+        let Verdict::Retry(cause) = error.verdict() else {
+            return Err(error);
+        };
+        if started.elapsed() >= HEALTHY_RUN {
+            backoff = RESTART_BACKOFF;
+        }
+        metrics::counter!(observe::CONNECTOR_RESTARTS, "cause" => cause).increment(1);
+        tracing::warn!(%error, cause, retry_in_ms = backoff.as_millis() as u64, "the connector lost a service it needs; restarting from the slot's confirmed LSN");
+        tokio::select! {
+            _ = shutdown.requested() => return Ok(()),
+            _ = tokio::time::sleep(backoff) => {}
+        }
+        backoff = (backoff * 2).min(RESTART_MAX_BACKOFF);
+    }
+}
+
+async fn run_once(config: Arc<Config>, shutdown: &mut crate::Shutdown) -> Result<(), RunError> {
     let sql = source::connect(&config.source.url).await?;
     slot::ensure_publication(&sql, &config).await?;
     let topics: Vec<String> = config
@@ -721,6 +797,15 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             tracing::warn!(slot = %config.source.slot, "the slot's snapshot was interrupted; dropping the slot and taking the snapshot again");
             slot::drop(&sql, &config.source.slot).await?;
             existing = None;
+        }
+    }
+    if existing.is_none() && config.source.snapshot.mode != SnapshotMode::Always {
+        if let Some(m) = snapshot_marker::vanished(&markers, &config.source.slot) {
+            return Err(slot::SlotError::Vanished {
+                slot: config.source.slot.clone(),
+                consistent_point: m.consistent_point.unwrap_or_else(|| "?".into()),
+            }
+            .into());
         }
     }
     let initial_confirmed = match &existing {
@@ -877,7 +962,16 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     repl.wait_started().await?;
     tracing::info!(slot = %config.source.slot, "streaming");
     let resume_commit = resume.as_ref().map_or(0, Offset::commit);
-    let last = stream(&output, &mut repl, &sql, codecs, snapshots, resume_commit).await;
+    let last = stream(
+        &output,
+        &mut repl,
+        &sql,
+        codecs,
+        snapshots,
+        resume_commit,
+        shutdown,
+    )
+    .await;
     let last = match last {
         Ok(l) => l,
         Err(e) => {
@@ -1161,9 +1255,13 @@ async fn run_snapshot(
                     &progress,
                 )
                 .await
-                .map_err(|e| RunError::Snapshot {
-                    table: table.clone(),
-                    message: e.to_string(),
+                .map_err(|e| match e.verdict() {
+                    // An outage: the supervisor restarts and redoes the snapshot.
+                    Verdict::Retry(_) => e,
+                    _ => RunError::Snapshot {
+                        table: table.clone(),
+                        message: e.to_string(),
+                    },
                 })?;
                 Ok::<_, RunError>((table, rows))
             });
@@ -1489,11 +1587,10 @@ async fn stream(
     mut codecs: HashMap<u32, TableCodec>,
     mut snapshots: incremental::Engine,
     resume_commit: u64,
+    shutdown: &mut crate::Shutdown,
 ) -> Result<u64, RunError> {
     let mut confirmed = output.acks.confirmed();
     let mut failed = output.acks.failed();
-    let shutdown = crate::shutdown_signal();
-    tokio::pin!(shutdown);
     let mut txn: Option<Txn> = None;
     let mut release = Release::new(output, *confirmed.borrow());
     let mut skipped = 0u64;
@@ -1508,7 +1605,7 @@ async fn stream(
         snapshots.schedule(output, sql).await?;
         tokio::select! {
             biased;
-            _ = &mut shutdown => return release.finish(output, txn.is_some()).await,
+            _ = shutdown.requested() => return release.finish(output, txn.is_some()).await,
             _ = group_tick.tick(), if release.exactly_once => {
                 if txn.is_none() && release.since.is_some_and(|t| t.elapsed() >= release.interval) {
                     release.commit(output).await?;
@@ -1543,7 +1640,12 @@ async fn stream(
                 }
             }
             ev = repl.recv() => {
-                let Some(ev) = ev? else { return release.finish(output, txn.is_some()).await };
+                // Only shutdown ends the stream: the server closing it is an outage.
+                let Some(ev) = ev? else {
+                    return Err(RunError::Replication(pgwire_replication::PgWireError::Task(
+                        "the server ended the replication stream".into(),
+                    )));
+                };
                 match ev {
                     ReplicationEvent::Begin { final_lsn, xid, commit_time_micros } => {
                         let skip = final_lsn.as_u64() <= resume_commit;
@@ -1837,6 +1939,59 @@ async fn on_message(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outages_restart_the_connector_and_everything_else_stops_it() {
+        use pgwire_replication::PgWireError as W;
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset");
+        let cases = [
+            (
+                RunError::Replication(W::Io(Arc::new(io))),
+                Verdict::Retry("source"),
+            ),
+            (
+                RunError::Replication(W::Server(
+                    "terminating connection due to administrator command (SQLSTATE 57P01)".into(),
+                )),
+                Verdict::Retry("source"),
+            ),
+            (
+                RunError::Replication(W::Server(
+                    "replication slot \"s\" does not exist (SQLSTATE 42704)".into(),
+                )),
+                Verdict::Stop,
+            ),
+            (
+                RunError::Replication(W::Auth("bad password".into())),
+                Verdict::Stop,
+            ),
+            (
+                RunError::Delivery("timed out".into()),
+                Verdict::Retry("broker"),
+            ),
+            (
+                RunError::Registry(ClientError::Unreachable("refused".into())),
+                Verdict::Retry("registry"),
+            ),
+            (
+                RunError::Registry(ClientError::Incompatible {
+                    subject: "s".into(),
+                    message: "m".into(),
+                }),
+                Verdict::Stop,
+            ),
+            (
+                RunError::Slot(slot::SlotError::Lost { slot: "s".into() }),
+                Verdict::Stop,
+            ),
+            (RunError::Config("x".into()), Verdict::Stop),
+        ];
+        for (error, verdict) in cases {
+            assert_eq!(error.verdict(), verdict, "{error}");
+        }
+        assert_eq!(sqlstate_in("x (SQLSTATE 08006)"), Some("08006"));
+        assert_eq!(sqlstate_in("no code"), None);
+    }
 
     #[test]
     fn chunk_ranges_are_adjacent_and_open_at_both_ends() {

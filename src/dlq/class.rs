@@ -87,6 +87,16 @@ pub enum Fault<'a> {
     Encode,
     /// An encoded record over the broker's size limit.
     TooLarge,
+    /// The source database failed the connector: its SQLSTATE, `None` when
+    /// the connection failed or closed.
+    Source { sqlstate: Option<&'a str> },
+    /// The broker failed a request; `refused` when a retry cannot change
+    /// the answer (authentication, authorization, a fenced producer, a bad
+    /// client setting).
+    Broker { refused: bool },
+    /// Registering a schema failed: the registry's HTTP status, `None`
+    /// when it could not be reached.
+    Register { status: Option<u16> },
 }
 
 /// What the runtime does with a failure.
@@ -133,6 +143,20 @@ pub fn classify(fault: &Fault<'_>) -> Verdict {
                 _ => Verdict::Stop,
             }
         }
+        Fault::Source { sqlstate } => match sqlstate.and_then(|c| c.get(..2)) {
+            // Closed, refused, shutting down, starting up, out of resources,
+            // or a conflict with another transaction.
+            None | Some("08" | "40" | "53" | "57" | "58") => Verdict::Retry("source"),
+            // Authentication, a dropped slot, an invalidated slot, ...
+            Some(_) => Verdict::Stop,
+        },
+        Fault::Broker { refused: false } => Verdict::Retry("broker"),
+        Fault::Broker { refused: true } => Verdict::Stop,
+        Fault::Register { status } => match status {
+            None | Some(408 | 429 | 500..=599) => Verdict::Retry("registry"),
+            // Refused credentials or a refused schema: no retry changes it.
+            Some(_) => Verdict::Stop,
+        },
     }
 }
 
@@ -240,6 +264,38 @@ mod tests {
             max_attempts: 0,
         };
         assert_eq!(classify(&forever), Retry("target"));
+    }
+
+    #[test]
+    fn outages_of_the_connectors_services_are_retried_and_refusals_stop() {
+        use Verdict::*;
+        for code in [
+            None,
+            Some("08006"),
+            Some("57P01"),
+            Some("57P03"),
+            Some("53300"),
+        ] {
+            assert_eq!(classify(&Fault::Source { sqlstate: code }), Retry("source"));
+        }
+        // Bad credentials, a missing slot, an invalidated slot.
+        for code in ["28P01", "42704", "55000"] {
+            let fault = Fault::Source {
+                sqlstate: Some(code),
+            };
+            assert_eq!(classify(&fault), Stop, "{code}");
+        }
+        assert_eq!(classify(&Fault::Broker { refused: false }), Retry("broker"));
+        assert_eq!(classify(&Fault::Broker { refused: true }), Stop);
+        for status in [None, Some(500), Some(503), Some(429)] {
+            assert_eq!(classify(&Fault::Register { status }), Retry("registry"));
+        }
+        for status in [401, 403, 409, 422] {
+            let fault = Fault::Register {
+                status: Some(status),
+            };
+            assert_eq!(classify(&fault), Stop, "{status}");
+        }
     }
 
     #[test]

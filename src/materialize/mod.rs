@@ -604,8 +604,23 @@ async fn latest_schema(
 ) -> Result<String, MaterializeError> {
     let started = Instant::now();
     loop {
-        if let Some((_, schema)) = registry.latest(subject).await? {
-            return Ok(schema);
+        match registry.latest(subject).await {
+            Ok(Some((_, schema))) => return Ok(schema),
+            Ok(None) => {}
+            Err(e) => {
+                let status = match &e {
+                    ClientError::Refused { status, .. } => Some(*status),
+                    _ => None,
+                };
+                // Unreachable or failing: wait for it, as for a batch.
+                let Verdict::Retry(cause) = classify(&Fault::Register { status }) else {
+                    return Err(e.into());
+                };
+                metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => cause).increment(1);
+                tracing::warn!(%subject, error = %e, "the registry is unavailable; waiting for it");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
         }
         if started.elapsed().as_secs().is_multiple_of(30) {
             tracing::info!(%subject, "waiting for the connector to register this subject");
@@ -792,13 +807,26 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         // A batch: wait for one message, then take what else is ready.
         let first = tokio::select! {
             _ = shutdown.requested() => break,
-            m = consumer.recv() => m?.detach(),
+            m = consumer.recv() => match m {
+                Ok(m) => m.detach(),
+                Err(e) => {
+                    consumer_error(e)?;
+                    // Errors can come in bursts while the broker is away.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue 'batches;
+                }
+            },
         };
         let mut batch = vec![first];
         let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
         while batch.len() < target.batch_size {
             match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                Ok(m) => batch.push(m?.detach()),
+                Ok(Ok(m)) => batch.push(m.detach()),
+                Ok(Err(e)) => {
+                    // Apply what came before the error.
+                    consumer_error(e)?;
+                    break;
+                }
                 Err(_) => break,
             }
         }
@@ -915,6 +943,22 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// An error the consumer reported instead of a message: a broker outage
+/// is logged (librdkafka reconnects by itself, and offsets stay where they
+/// are), a refusal stops the materializer. Decided by [`classify`].
+fn consumer_error(e: rdkafka::error::KafkaError) -> Result<(), MaterializeError> {
+    match classify(&Fault::Broker {
+        refused: sink::refused(&e),
+    }) {
+        Verdict::Retry(cause) => {
+            metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => cause).increment(1);
+            tracing::warn!(error = %e, "the consumer lost the broker; waiting for it");
+            Ok(())
+        }
+        _ => Err(e.into()),
+    }
 }
 
 /// Every `retention.check_interval_secs`: every read model's rebuild reach

@@ -25,7 +25,11 @@
 //!   the rebuilt one after it. A running materializer waits on the locks;
 //!   everything it redelivers afterwards up to those end offsets is a
 //!   duplicate the position guard skips, so no change is lost or applied
-//!   twice.
+//!   twice. That holds for a materializer still behind the rebuild's start
+//!   too: the swap stores, like a truncate's, a watermark just below the
+//!   starting snapshot's consistent point, so an older record of a key the
+//!   rebuilt state no longer holds (deleted while nothing captured it) is
+//!   skipped rather than inserted again.
 //! - **Nothing skipped.** The replay never jumps over records: an offset
 //!   that retention deleted before the rebuild read it is an error, and
 //!   nothing is swapped.
@@ -46,7 +50,7 @@ use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
 use tokio_postgres::{Client, GenericClient};
 
-use super::mirror::{Mirror, Statements};
+use super::mirror::{Mirror, Position, Statements};
 use super::view::View;
 use super::{
     apply_batch, apply_in, decode_batch, fast_tier, prepare, DeadLetters, Lookups,
@@ -232,7 +236,7 @@ pub async fn run(
     }
     let topics: Vec<String> = tables.iter().map(|t| config.topic_for(t)).collect();
 
-    let (from, snapshot, history_note) = match start {
+    let (from, snapshot, history_note, floors) = match start {
         Start::Earliest => {
             let report = retention::gather(config, Some(name), None)
                 .await
@@ -255,7 +259,18 @@ pub async fn run(
                     reach.summary
                 )
             });
-            (retention::rebuild_start(&report), None, note)
+            // Everything committed before the snapshot the rebuild starts
+            // from is in the rebuilt mirrors (through that snapshot).
+            let floors = report
+                .topics
+                .iter()
+                .filter(|t| t.begins_with_complete_snapshot)
+                .filter_map(|t| {
+                    let cp = t.snapshot.as_ref()?.consistent_point.as_deref()?;
+                    Some((t.topic.clone(), floor_of(cp)?))
+                })
+                .collect();
+            (retention::rebuild_start(&report), None, note, floors)
         }
         Start::Snapshot => {
             let sql = source::connect(&config.source.url)
@@ -271,6 +286,11 @@ pub async fn run(
             })
             .await
             .map_err(RebuildError::Failed)?;
+            let floor = marker.consistent_point.as_deref().and_then(floor_of);
+            let floors: BTreeMap<String, Position> = topics
+                .iter()
+                .filter_map(|t| Some((t.clone(), floor?)))
+                .collect();
             (
                 marker.start_offsets.clone(),
                 Some(format!(
@@ -282,6 +302,7 @@ pub async fn run(
                     "history before {} (when the snapshot was requested) is not in the rebuilt model: it holds the state the snapshot read and every change since",
                     rfc3339(asked)
                 )),
+                floors,
             )
         }
     };
@@ -391,6 +412,7 @@ pub async fn run(
             &tables,
             &live,
             &views,
+            &floors,
             &mut totals,
         )
         .await
@@ -620,6 +642,14 @@ async fn next_batch(
     Ok(Some(batch))
 }
 
+/// The position just below every change committed at or after the
+/// snapshot's consistent point `cp`: a "truncate" there skips exactly the
+/// changes committed before it.
+fn floor_of(cp: &str) -> Option<Position> {
+    let lsn = cp.parse::<crate::source::pgoutput::Lsn>().ok()?;
+    Some((lsn.0 as i64, -1))
+}
+
 /// 0–63 ms, so that the retries of two waiters do not stay in step.
 fn jitter() -> u8 {
     (std::time::SystemTime::now()
@@ -644,6 +674,7 @@ async fn swap(
     tables: &[String],
     live: &HashMap<String, Mirror>,
     views: &[View],
+    floors: &BTreeMap<String, Position>,
     totals: &mut Totals,
 ) -> Result<Swapped, MaterializeError> {
     let over: Vec<&View> = views
@@ -794,6 +825,22 @@ async fn swap(
             tx.execute(
                 &format!("UPDATE pgcdc_state.{t} SET mirror = $1 WHERE mirror = $2"),
                 &[&l.qualified, &s.qualified],
+            )
+            .await?;
+        }
+        if let Some((lsn, seq)) = floors.get(topic) {
+            // A materializer still behind the rebuild's start would
+            // otherwise re-apply an older record of a key the rebuilt
+            // state no longer holds (deleted while nothing was captured,
+            // or before the snapshot): every change committed before the
+            // snapshot is in the rebuilt state, so it is skipped like one
+            // older than a truncate.
+            tx.execute(
+                "INSERT INTO pgcdc_state.truncations (mirror, commit_lsn, seq) VALUES ($1, $2, $3)
+                 ON CONFLICT (mirror) DO UPDATE SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq
+                 WHERE (pgcdc_state.truncations.commit_lsn, pgcdc_state.truncations.seq)
+                     < (EXCLUDED.commit_lsn, EXCLUDED.seq)",
+                &[&l.qualified, lsn, seq],
             )
             .await?;
         }

@@ -33,6 +33,11 @@ pub enum SlotError {
     Active { slot: String, pid: i32 },
     #[error("slot '{0}' does not exist")]
     Missing(String),
+    #[error("slot '{slot}' is gone, though pgcdc streamed from it (its initial snapshot completed at LSN {consistent_point}): it was dropped outside pgcdc, and changes after its last confirmed LSN may be missing from Kafka. {}", recovery_hint(.slot))]
+    Vanished {
+        slot: String,
+        consistent_point: String,
+    },
     #[error("slot '{slot}' is invalidated (wal_status=lost): the WAL it needed was removed. {}", recovery_hint(.slot))]
     Lost { slot: String },
     #[error("slot '{slot}' uses plugin '{plugin}' in database '{database}'; pgcdc needs a pgoutput slot in '{expected_database}'")]

@@ -333,6 +333,19 @@ impl ScratchCluster {
     pub fn url(&self, db: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
+
+    /// `pg_ctl restart -m fast`: every connection is closed, the cluster
+    /// comes back on the same port with its data and slots.
+    pub fn restart(&self) {
+        let mut restart = as_postgres(&self.bindir.join("pg_ctl"));
+        restart
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .arg("-l")
+            .arg(self.dir.join("log"))
+            .args(["-m", "fast", "-w", "-t", "60", "restart"]);
+        run_ok(restart, "restart scratch cluster");
+    }
 }
 
 impl Drop for ScratchCluster {
@@ -407,8 +420,18 @@ impl RegistryProcess {
 
     /// Kills the process (SIGKILL) and starts it again on the same port and store.
     pub async fn restart(&mut self) {
+        self.stop();
+        self.start_again().await;
+    }
+
+    /// Kills the process (SIGKILL): the port refuses connections.
+    pub fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts the process again on the same port and store.
+    pub async fn start_again(&mut self) {
         self.child = Command::new(env!("CARGO_BIN_EXE_pgcdc"))
             .args([
                 "registry",
@@ -417,6 +440,7 @@ impl RegistryProcess {
                 "--store",
                 &self.store,
             ])
+            .env_remove("PGCDC_REGISTRY_BASIC_AUTH")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::inherit())
             .spawn()
@@ -592,8 +616,13 @@ pub struct Decoder {
 
 impl Decoder {
     pub fn new(stack: &Stack) -> Decoder {
+        Decoder::at(&stack.registry_url)
+    }
+
+    /// A decoder reading schemas from the registry at `url`.
+    pub fn at(url: &str) -> Decoder {
         Decoder {
-            registry: stack.registry_url.clone(),
+            registry: url.to_string(),
             schemas: Default::default(),
         }
     }
@@ -690,14 +719,15 @@ pub async fn insert_lsn(client: &Client) -> String {
 /// Whether the slot's confirmed LSN reached `target`.
 pub async fn confirmed_reached(client: &Client, slot: &str, target: &str) -> bool {
     client
-        .query_one(
-            // NULL while the slot is still being created.
+        .query_opt(
+            // NULL while the slot is still being created; no row while a
+            // restarted connector drops and creates it again.
             "SELECT coalesce(confirmed_flush_lsn >= $2::text::pg_lsn, false) FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot, &target],
         )
         .await
         .expect("slot")
-        .get(0)
+        .is_some_and(|r| r.get(0))
 }
 
 /// Waits until the connector confirmed everything written so far: Kafka
@@ -714,30 +744,60 @@ pub async fn wait_caught_up(client: &Client, slot: &str) {
     }
 }
 
-/// A broker of a test's own (memory storage), killed when dropped.
+/// A broker of a test's own, killed when dropped: memory storage, or
+/// SQLite storage that survives [`PrivateBroker::stop`] and
+/// [`PrivateBroker::start_again`].
 pub struct PrivateBroker {
     child: std::process::Child,
     pub address: String,
+    bin: PathBuf,
+    port: u16,
+    /// The SQLite store's directory, for a persistent broker.
+    dir: Option<tempfile::TempDir>,
 }
 
 impl PrivateBroker {
     pub fn start(stack: &Stack) -> PrivateBroker {
-        let port = free_port();
+        PrivateBroker::launch(stack.broker_bin.clone(), free_port(), None)
+    }
+
+    /// A broker whose data survives a stop (SQLite storage).
+    pub fn start_persistent(stack: &Stack) -> PrivateBroker {
+        let dir = tempfile::tempdir().expect("broker dir");
+        PrivateBroker::launch(stack.broker_bin.clone(), free_port(), Some(dir))
+    }
+
+    fn launch(bin: PathBuf, port: u16, dir: Option<tempfile::TempDir>) -> PrivateBroker {
+        let child = PrivateBroker::spawn(&bin, port, dir.as_ref().map(|d| d.path()));
+        PrivateBroker {
+            child,
+            address: format!("127.0.0.1:{port}"),
+            bin,
+            port,
+            dir,
+        }
+    }
+
+    fn spawn(bin: &Path, port: u16, dir: Option<&Path>) -> std::process::Child {
         let url = format!("tcp://127.0.0.1:{port}");
-        let child = Command::new(&stack.broker_bin)
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-            ])
-            .args([
-                "--storage-engine",
-                "memory://nisshi/",
-                "--group-initial-rebalance-delay",
-                "0s",
-            ])
+        let mut cmd = Command::new(bin);
+        cmd.args([
+            "broker",
+            "--listener-url",
+            &url,
+            "--advertised-listener-url",
+            &url,
+            "--group-initial-rebalance-delay",
+            "0s",
+        ]);
+        match dir {
+            // The SQLite URL takes a path relative to the working directory.
+            Some(d) => cmd
+                .current_dir(d)
+                .args(["--storage-engine", "sqlite://broker.db"]),
+            None => cmd.args(["--storage-engine", "memory://nisshi/"]),
+        };
+        let child = cmd
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -750,10 +810,24 @@ impl PrivateBroker {
             );
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
-        PrivateBroker {
-            child,
-            address: format!("127.0.0.1:{port}"),
-        }
+        child
+    }
+
+    /// Kills the broker: its port refuses connections until
+    /// [`PrivateBroker::start_again`].
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the broker again on the same port and store.
+    pub fn start_again(&mut self) {
+        assert!(
+            self.dir.is_some(),
+            "a memory broker loses its data on a stop"
+        );
+        self.child =
+            PrivateBroker::spawn(&self.bin, self.port, self.dir.as_ref().map(|d| d.path()));
     }
 
     /// SIGSTOP: the broker holds its connections but answers nothing.

@@ -1,0 +1,182 @@
+//! Slot trouble: a slot dropped outside pgcdc, and a slot Postgres
+//! invalidated. Each stops the connector with a clear error, `pgcdc check`
+//! reports it, and the documented recovery (README, "Slot trouble") brings
+//! the read models back to the source:
+//!
+//! ```text
+//!  pgcdc slot drop --yes ──► pgcdc run (new slot, new snapshot) ──► pgcdc rebuild --from snapshot
+//! ```
+
+use std::time::Duration;
+
+use super::{Scenario, Writer};
+use crate::support::{self, ScratchCluster, TestDb};
+
+/// `pgcdc run` refuses with `error`, and `pgcdc check` fails its slot
+/// line with `check`; then the recovery, with the writer still writing.
+async fn refused_then_recovered(
+    s: &Scenario,
+    scenario: &str,
+    error: &str,
+    check: &str,
+    writer: Writer,
+) {
+    let config = s.config.arg();
+    let run = support::pgcdc(&["run", "--config", config]).await;
+    assert_ne!(run.code, 0, "{}", run.all_output());
+    assert!(
+        run.stderr.contains(error) && run.stderr.contains("pgcdc slot drop"),
+        "{}",
+        run.stderr
+    );
+    let checked = support::pgcdc(&["check", "--config", config]).await;
+    assert_eq!(checked.code, 2, "{}", checked.all_output());
+    let line = checked.check_line("postgres.slot").unwrap_or_default();
+    assert!(
+        line.starts_with("FAIL") && line.contains(check),
+        "{}",
+        checked.stdout
+    );
+
+    let dropped = support::pgcdc(&["slot", "drop", "--config", config, "--yes"]).await;
+    assert_eq!(dropped.code, 0, "{}", dropped.all_output());
+    assert!(dropped.stdout.contains("recorded"), "{}", dropped.stdout);
+    let connector = s.connector();
+    // The drop's marker first, then the new snapshot's.
+    support::wait_snapshot_completed(&s.parsed).await;
+    writer.stop().await;
+    let source = support::connect(&s.source_url).await;
+    support::wait_caught_up(&source, &s.name).await;
+    // Rows deleted while no slot captured them are in no snapshot: the
+    // rebuild from the new slot's snapshot removes them from the mirrors,
+    // while the materializer (still catching up on the old history, which
+    // is the point) keeps running.
+    let rebuilt = support::pgcdc(&[
+        "rebuild",
+        "--config",
+        config,
+        "--read-model",
+        "customer_stats",
+    ])
+    .await;
+    assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
+    println!("{}", rebuilt.stdout);
+    s.verify(scenario, 1).await;
+    assert_eq!(connector.terminate().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
+    let stack = support::stack();
+    let source_db = TestDb::create(&stack, "fault_drop_src").await;
+    let target_db = TestDb::create(&stack, "fault_drop_tgt").await;
+    let s = Scenario::prepare(
+        &source_db.name,
+        &source_db.url,
+        &source_db.admin_url,
+        &target_db.url,
+        &target_db.admin_url,
+        &stack.brokers,
+        &stack.registry_url,
+        20_000,
+    )
+    .await;
+    let connector = s.connector();
+    let materializer = s.materializer();
+    support::wait_snapshot_completed(&s.parsed).await;
+    let writer = Writer::start(&source_db.url, 0xd209_5107);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(connector.terminate().await, 0);
+    source_db
+        .admin()
+        .await
+        .execute("SELECT pg_drop_replication_slot($1)", &[&s.name])
+        .await
+        .expect("drop the slot");
+    // Changes go on (deletes among them) while no slot captures them.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    refused_then_recovered(
+        &s,
+        "dropped slot",
+        "is gone",
+        "dropped outside pgcdc",
+        writer,
+    )
+    .await;
+    assert_eq!(crate::materialize::terminate(materializer).await, Some(0));
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalidated_slot_is_refused_reported_and_recovered() {
+    let stack = support::stack();
+    let cluster = ScratchCluster::start(&[
+        "wal_level = logical",
+        "max_replication_slots = 8",
+        "max_wal_senders = 8",
+        "max_connections = 60",
+        "max_slot_wal_keep_size = 1MB",
+        "min_wal_size = 32MB",
+        "max_wal_size = 64MB",
+    ]);
+    let source_url = cluster.url("postgres");
+    let target_db = TestDb::create(&stack, "fault_lost_tgt").await;
+    let name = support::unique("fault_lost");
+    let s = Scenario::prepare(
+        &name,
+        &source_url,
+        &source_url,
+        &target_db.url,
+        &target_db.admin_url,
+        &stack.brokers,
+        &stack.registry_url,
+        20_000,
+    )
+    .await;
+    let connector = s.connector();
+    let materializer = s.materializer();
+    support::wait_snapshot_completed(&s.parsed).await;
+    let writer = Writer::start(&source_url, 0x1057_51a7);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(connector.terminate().await, 0);
+    // WAL grows past max_slot_wal_keep_size while the connector is
+    // stopped, until a checkpoint invalidates the slot.
+    let client = support::connect(&source_url).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        client
+            .batch_execute(
+                "CREATE TABLE IF NOT EXISTS public.filler (v text);
+                 INSERT INTO public.filler SELECT repeat('x', 500) FROM generate_series(1, 2000);
+                 SELECT pg_switch_wal(); CHECKPOINT;",
+            )
+            .await
+            .expect("grow WAL");
+        let lost: bool = client
+            .query_one(
+                "SELECT wal_status = 'lost' FROM pg_replication_slots WHERE slot_name = $1",
+                &[&s.name],
+            )
+            .await
+            .expect("wal_status")
+            .get(0);
+        if lost {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot was never invalidated"
+        );
+    }
+    refused_then_recovered(
+        &s,
+        "invalidated slot",
+        "is invalidated",
+        "invalidated",
+        writer,
+    )
+    .await;
+    assert_eq!(crate::materialize::terminate(materializer).await, Some(0));
+    target_db.drop_db().await;
+}
