@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::{count, Scenario, Writer};
 use crate::materialize::Rng;
-use crate::support::{self, TestDb};
+use crate::support;
 
 /// Polls until the connector has created its slot (its snapshot begins).
 async fn wait_slot(s: &Scenario, source: &tokio_postgres::Client) {
@@ -30,18 +30,13 @@ async fn wait_slot(s: &Scenario, source: &tokio_postgres::Client) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_loop_of_connector_and_materializer_loses_and_doubles_nothing() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "fault_crash_src").await;
-    let target_db = TestDb::create(&stack, "fault_crash_tgt").await;
     let kills = count(5, 20);
     // Large enough that the snapshot takes seconds in a debug build, small
     // enough that the materializer soon works through the snapshots the
     // kills make the connector take again.
-    let s = Scenario::prepare(
-        &source_db.name,
-        &source_db.url,
-        &source_db.admin_url,
-        &target_db.url,
-        &target_db.admin_url,
+    let (s, source_db, target_db) = Scenario::on_stack(
+        &stack,
+        "fault_crash",
         &stack.brokers,
         &stack.registry_url,
         20_000,

@@ -42,6 +42,14 @@ pub(crate) fn count(ci: usize, full: usize) -> usize {
     }
 }
 
+/// Settings of a scratch cluster that can be a source.
+pub(crate) const LOGICAL: [&str; 4] = [
+    "wal_level = logical",
+    "max_replication_slots = 8",
+    "max_wal_senders = 8",
+    "max_connections = 60",
+];
+
 /// How long an outage lasts.
 pub(crate) const OUTAGE: Duration = Duration::from_secs(30);
 
@@ -209,6 +217,32 @@ batch_size = 100
             config,
             parsed,
         }
+    }
+
+    /// [`Scenario::prepare`] in two fresh databases of the stack's
+    /// cluster, `<prefix>_src` and `<prefix>_tgt`, with the broker and the
+    /// registry given.
+    pub async fn on_stack(
+        stack: &support::Stack,
+        prefix: &str,
+        brokers: &str,
+        registry: &str,
+        orders: i64,
+    ) -> (Scenario, support::TestDb, support::TestDb) {
+        let source = support::TestDb::create(stack, &format!("{prefix}_src")).await;
+        let target = support::TestDb::create(stack, &format!("{prefix}_tgt")).await;
+        let s = Scenario::prepare(
+            &source.name,
+            &source.url,
+            &source.admin_url,
+            &target.url,
+            &target.admin_url,
+            brokers,
+            registry,
+            orders,
+        )
+        .await;
+        (s, source, target)
     }
 
     pub fn connector(&self) -> support::ConnectorProcess {

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Scenario, Writer, OUTAGE};
+use super::{Scenario, Writer, LOGICAL, OUTAGE};
 use crate::support::{self, PrivateBroker, RegistryProcess, ScratchCluster, TestDb};
 
 /// The slot's confirmed flush LSN, and the WAL it retains (current WAL
@@ -42,14 +42,9 @@ fn still_running(child: &mut tokio::process::Child, what: &str) {
 async fn a_broker_outage_holds_the_slot_then_resumes_without_loss() {
     let stack = support::stack();
     let mut broker = PrivateBroker::start_persistent(&stack);
-    let source_db = TestDb::create(&stack, "fault_broker_src").await;
-    let target_db = TestDb::create(&stack, "fault_broker_tgt").await;
-    let s = Scenario::prepare(
-        &source_db.name,
-        &source_db.url,
-        &source_db.admin_url,
-        &target_db.url,
-        &target_db.admin_url,
+    let (s, source_db, target_db) = Scenario::on_stack(
+        &stack,
+        "fault_broker",
         &broker.address,
         &stack.registry_url,
         20_000,
@@ -116,12 +111,7 @@ async fn a_broker_outage_holds_the_slot_then_resumes_without_loss() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_restarts_and_a_target_refusing_connections_lose_nothing() {
     let stack = support::stack();
-    let cluster = ScratchCluster::start(&[
-        "wal_level = logical",
-        "max_replication_slots = 8",
-        "max_wal_senders = 8",
-        "max_connections = 60",
-    ]);
+    let cluster = ScratchCluster::start(&LOGICAL);
     let admin = support::connect(&cluster.url("postgres")).await;
     for db in ["fault_src", "fault_tgt"] {
         admin
@@ -186,19 +176,8 @@ async fn a_registry_outage_delays_new_schemas_and_restarts_and_loses_nothing() {
     let stack = support::stack();
     let store = TestDb::create(&stack, "fault_reg_store").await;
     let mut registry = RegistryProcess::start(&store.url).await;
-    let source_db = TestDb::create(&stack, "fault_reg_src").await;
-    let target_db = TestDb::create(&stack, "fault_reg_tgt").await;
-    let s = Scenario::prepare(
-        &source_db.name,
-        &source_db.url,
-        &source_db.admin_url,
-        &target_db.url,
-        &target_db.admin_url,
-        &stack.brokers,
-        &registry.url,
-        20_000,
-    )
-    .await;
+    let (s, source_db, target_db) =
+        Scenario::on_stack(&stack, "fault_reg", &stack.brokers, &registry.url, 20_000).await;
     let source = source_db.client().await;
     let target = target_db.client().await;
     let mut connector = s.connector();

@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use super::{Scenario, Writer};
+use super::{Scenario, Writer, LOGICAL};
 use crate::support::{self, ScratchCluster, TestDb};
 
 /// `pgcdc run` refuses with `error`, and `pgcdc check` fails its slot
@@ -68,14 +68,9 @@ async fn refused_then_recovered(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
     let stack = support::stack();
-    let source_db = TestDb::create(&stack, "fault_drop_src").await;
-    let target_db = TestDb::create(&stack, "fault_drop_tgt").await;
-    let s = Scenario::prepare(
-        &source_db.name,
-        &source_db.url,
-        &source_db.admin_url,
-        &target_db.url,
-        &target_db.admin_url,
+    let (s, source_db, target_db) = Scenario::on_stack(
+        &stack,
+        "fault_drop",
         &stack.brokers,
         &stack.registry_url,
         20_000,
@@ -111,15 +106,17 @@ async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_invalidated_slot_is_refused_reported_and_recovered() {
     let stack = support::stack();
-    let cluster = ScratchCluster::start(&[
-        "wal_level = logical",
-        "max_replication_slots = 8",
-        "max_wal_senders = 8",
-        "max_connections = 60",
-        "max_slot_wal_keep_size = 1MB",
-        "min_wal_size = 32MB",
-        "max_wal_size = 64MB",
-    ]);
+    let cluster = ScratchCluster::start(
+        &[
+            &LOGICAL[..],
+            &[
+                "max_slot_wal_keep_size = 1MB",
+                "min_wal_size = 32MB",
+                "max_wal_size = 64MB",
+            ],
+        ]
+        .concat(),
+    );
     let source_url = cluster.url("postgres");
     let target_db = TestDb::create(&stack, "fault_lost_tgt").await;
     let name = support::unique("fault_lost");
