@@ -477,13 +477,9 @@ async fn check_slot(
         let gone = markers
             .as_ref()
             .ok()
-            .and_then(|m| crate::snapshot_marker::vanished(m.as_slice(), &src.slot));
+            .and_then(|m| crate::source::slot::SlotError::vanished(config, m.as_slice()));
         match (gone, markers) {
-            (Some(m), _) if src.snapshot.mode != crate::config::SnapshotMode::Always => {
-                let e = crate::source::slot::SlotError::Vanished {
-                    slot: src.slot.clone(),
-                    consistent_point: m.consistent_point.unwrap_or_else(|| "?".into()),
-                };
+            (Some(e), _) => {
                 r.fail(
                     name,
                     e.to_string(),

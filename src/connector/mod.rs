@@ -691,10 +691,7 @@ impl RunError {
                 refused: sink::refused(e),
             },
             RunError::Delivery(_) => Fault::Broker { refused: false },
-            RunError::Registry(ClientError::Unreachable(_)) => Fault::Register { status: None },
-            RunError::Registry(ClientError::Refused { status, .. }) => Fault::Register {
-                status: Some(*status),
-            },
+            RunError::Registry(e) => Fault::Register { status: e.status() },
             _ => return Verdict::Stop,
         };
         classify(&fault)
@@ -799,13 +796,9 @@ async fn run_once(config: Arc<Config>, shutdown: &mut crate::Shutdown) -> Result
             existing = None;
         }
     }
-    if existing.is_none() && config.source.snapshot.mode != SnapshotMode::Always {
-        if let Some(m) = snapshot_marker::vanished(&markers, &config.source.slot) {
-            return Err(slot::SlotError::Vanished {
-                slot: config.source.slot.clone(),
-                consistent_point: m.consistent_point.unwrap_or_else(|| "?".into()),
-            }
-            .into());
+    if existing.is_none() {
+        if let Some(e) = slot::SlotError::vanished(&config, &markers) {
+            return Err(e.into());
         }
     }
     let initial_confirmed = match &existing {

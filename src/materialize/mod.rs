@@ -353,10 +353,7 @@ impl State {
             return Ok(w.clone());
         }
         let text = self.registry.schema_by_id(id).await.map_err(|e| {
-            let status = match &e {
-                ClientError::Refused { status, .. } => Some(*status),
-                _ => None,
-            };
+            let status = e.status();
             Failure {
                 // Only an id the registry does not know is the record's
                 // fault; an unreachable or failing registry is retried.
@@ -608,12 +605,9 @@ async fn latest_schema(
             Ok(Some((_, schema))) => return Ok(schema),
             Ok(None) => {}
             Err(e) => {
-                let status = match &e {
-                    ClientError::Refused { status, .. } => Some(*status),
-                    _ => None,
-                };
                 // Unreachable or failing: wait for it, as for a batch.
-                let Verdict::Retry(cause) = classify(&Fault::Register { status }) else {
+                let Verdict::Retry(cause) = classify(&Fault::Register { status: e.status() })
+                else {
                     return Err(e.into());
                 };
                 metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => cause).increment(1);

@@ -26,6 +26,18 @@ pub enum ClientError {
     Unreachable(String),
 }
 
+impl ClientError {
+    /// The registry's HTTP status (`None` when it could not be reached),
+    /// for [`crate::dlq::classify`].
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            ClientError::Incompatible { .. } => Some(409),
+            ClientError::Refused { status, .. } => Some(*status),
+            ClientError::Unreachable(_) => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct RegistryClient {
     http: reqwest::Client,

@@ -49,6 +49,26 @@ pub enum SlotError {
     },
 }
 
+impl SlotError {
+    /// [`SlotError::Vanished`] when the pipeline's slot, missing now, had
+    /// streamed before ([`crate::snapshot_marker::vanished`]) and snapshot
+    /// mode `always` does not make a new slot expected anyway.
+    pub fn vanished(
+        config: &Config,
+        markers: &[crate::snapshot_marker::Marker],
+    ) -> Option<SlotError> {
+        let src = &config.source;
+        if src.snapshot.mode == crate::config::SnapshotMode::Always {
+            return None;
+        }
+        let m = crate::snapshot_marker::vanished(markers, &src.slot)?;
+        Some(SlotError::Vanished {
+            slot: src.slot.clone(),
+            consistent_point: m.consistent_point.unwrap_or_else(|| "?".into()),
+        })
+    }
+}
+
 /// What `pg_replication_slots` says about a slot, plus derived WAL figures.
 #[derive(Debug, Clone, Serialize)]
 pub struct SlotStatus {

@@ -12,6 +12,18 @@ use std::time::Duration;
 use super::{Scenario, Writer, LOGICAL};
 use crate::support::{self, ScratchCluster, TestDb};
 
+/// Streams for a while under the writer (seeded `seed`), then stops the
+/// connector; the materializer and the writer go on.
+async fn streamed_then_stopped(s: &Scenario, seed: u64) -> (tokio::process::Child, Writer) {
+    let connector = s.connector();
+    let materializer = s.materializer();
+    support::wait_snapshot_completed(&s.parsed).await;
+    let writer = Writer::start(&s.source_url, seed);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(connector.terminate().await, 0);
+    (materializer, writer)
+}
+
 /// `pgcdc run` refuses with `error`, and `pgcdc check` fails its slot
 /// line with `check`; then the recovery, with the writer still writing.
 async fn refused_then_recovered(
@@ -76,12 +88,7 @@ async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
         20_000,
     )
     .await;
-    let connector = s.connector();
-    let materializer = s.materializer();
-    support::wait_snapshot_completed(&s.parsed).await;
-    let writer = Writer::start(&source_db.url, 0xd209_5107);
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(connector.terminate().await, 0);
+    let (materializer, writer) = streamed_then_stopped(&s, 0xd209_5107).await;
     source_db
         .admin()
         .await
@@ -131,12 +138,7 @@ async fn an_invalidated_slot_is_refused_reported_and_recovered() {
         20_000,
     )
     .await;
-    let connector = s.connector();
-    let materializer = s.materializer();
-    support::wait_snapshot_completed(&s.parsed).await;
-    let writer = Writer::start(&source_url, 0x1057_51a7);
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(connector.terminate().await, 0);
+    let (materializer, writer) = streamed_then_stopped(&s, 0x1057_51a7).await;
     // WAL grows past max_slot_wal_keep_size while the connector is
     // stopped, until a checkpoint invalidates the slot.
     let client = support::connect(&source_url).await;
