@@ -23,7 +23,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::Path;
-use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -1182,7 +1181,7 @@ impl Validator {
     }
 
     fn check_dsn(&mut self, dsn: &Dsn, path: &str) {
-        if let Err(e) = tokio_postgres::Config::from_str(dsn.expose()) {
+        if let Err(e) = crate::source::tls::Endpoint::parse(dsn) {
             // tokio-postgres's parse errors quote no values, so no secret leaks.
             self.push(
                 path,

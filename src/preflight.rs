@@ -145,15 +145,46 @@ async fn connect_timed(dsn: &Dsn) -> Result<Client, String> {
     }
 }
 
+/// How the session is protected: `TLSv1.3, sslmode=verify-full`.
+async fn encryption(client: &Client, dsn: &Dsn) -> String {
+    let mode = crate::source::tls::Endpoint::parse(dsn)
+        .map(|e| e.tls.mode.as_str())
+        .unwrap_or("?");
+    let tls = client
+        .query_opt(
+            "SELECT version FROM pg_stat_ssl WHERE pid = pg_backend_pid() AND ssl",
+            &[],
+        )
+        .await;
+    match tls {
+        Ok(Some(row)) => format!("{}, sslmode={mode}", row.get::<_, String>(0)),
+        Ok(None) => format!("not encrypted, sslmode={mode}"),
+        Err(_) => format!("sslmode={mode}"),
+    }
+}
+
+/// What to look at when connecting failed.
+fn connect_hint(error: &str, field: &str) -> String {
+    if error.contains("certificate") || error.contains("TLS") {
+        format!(
+            "check {field}'s sslrootcert (the CA that signed the server's certificate) and, \
+             with sslmode=verify-full, that its host is a name in the certificate"
+        )
+    } else {
+        format!("check {field}, that Postgres listens there, and pg_hba.conf")
+    }
+}
+
 async fn check_source(config: &Config, r: &mut Report) {
     let src = &config.source;
     let client = match connect_timed(&src.url).await {
         Ok(c) => c,
         Err(e) => {
+            let hint = connect_hint(&e, "source.url");
             r.fail(
                 "postgres.connect",
                 format!("cannot connect to {}: {e}", src.url.redacted()),
-                "check source.url, that Postgres listens there, and pg_hba.conf",
+                hint,
             );
             return;
         }
@@ -169,9 +200,13 @@ async fn check_source(config: &Config, r: &mut Report) {
             return;
         }
     };
+    let tls = encryption(&client, &src.url).await;
     r.pass(
         "postgres.connect",
-        format!("connected to {} (PostgreSQL {version})", src.url.redacted()),
+        format!(
+            "connected to {} (PostgreSQL {version}; {tls})",
+            src.url.redacted()
+        ),
     );
     if let Err(e) = source_checks(&client, config, r).await {
         r.fail(
@@ -745,10 +780,11 @@ async fn check_target(config: &Config, r: &mut Report) {
     let client = match connect_timed(&target.url).await {
         Ok(c) => c,
         Err(e) => {
+            let hint = connect_hint(&e, "target.url");
             r.fail(
                 name,
                 format!("cannot connect to {}: {e}", target.url.redacted()),
-                "check target.url, that Postgres listens there, and pg_hba.conf",
+                hint,
             );
             return;
         }
@@ -763,8 +799,9 @@ async fn check_target(config: &Config, r: &mut Report) {
         Ok(row) if row.get::<_, bool>(0) => r.pass(
             name,
             format!(
-                "connected to {}; the role can create schemas",
-                target.url.redacted()
+                "connected to {} ({}); the role can create schemas",
+                target.url.redacted(),
+                encryption(&client, &target.url).await
             ),
         ),
         Ok(_) => r.fail(

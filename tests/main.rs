@@ -16,5 +16,6 @@ mod registry;
 mod retention;
 mod security;
 mod slot;
+mod tls;
 mod types;
 mod validate;

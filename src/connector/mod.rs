@@ -28,7 +28,6 @@
 pub mod incremental;
 
 use std::collections::{BTreeMap, HashMap};
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -109,8 +108,13 @@ fn session_options() -> String {
 }
 
 fn replication_config(config: &Config) -> Result<ReplicationConfig, RunError> {
-    let pg = tokio_postgres::Config::from_str(config.source.url.expose())
+    let endpoint = source::tls::Endpoint::parse(&config.source.url)
         .map_err(|e| RunError::Config(format!("source.url: {e}")))?;
+    let tls = endpoint
+        .tls
+        .replication()
+        .map_err(|e| RunError::Config(format!("source.url: {e}")))?;
+    let pg = endpoint.pg;
     let host = match pg.get_hosts().first() {
         Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
         #[cfg(unix)]
@@ -133,6 +137,7 @@ fn replication_config(config: &Config) -> Result<ReplicationConfig, RunError> {
         config.source.publication.clone(),
     )
     .with_port(port)
+    .with_tls(tls)
     .with_options(session_options())
     .with_status_interval(STATUS_INTERVAL))
 }
@@ -680,6 +685,12 @@ impl RunError {
     pub fn verdict(&self) -> Verdict {
         use pgwire_replication::PgWireError as W;
         let fault = match self {
+            RunError::Postgres(e) | RunError::Slot(slot::SlotError::Postgres(e))
+                if source::tls::refused(e) =>
+            {
+                Fault::Untrusted
+            }
+            RunError::Replication(W::Tls(_)) => Fault::Untrusted,
             RunError::Postgres(e) | RunError::Slot(slot::SlotError::Postgres(e)) => Fault::Source {
                 sqlstate: e.code().map(|c| c.code()),
             },

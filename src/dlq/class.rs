@@ -90,6 +90,9 @@ pub enum Fault<'a> {
     /// The source database failed the connector: its SQLSTATE, `None` when
     /// the connection failed or closed.
     Source { sqlstate: Option<&'a str> },
+    /// TLS to the source was refused: its certificate failed verification,
+    /// or the CA file could not be used.
+    Untrusted,
     /// The broker failed a request; `refused` when a retry cannot change
     /// the answer (authentication, authorization, a fenced producer, a bad
     /// client setting).
@@ -143,6 +146,8 @@ pub fn classify(fault: &Fault<'_>) -> Verdict {
                 _ => Verdict::Stop,
             }
         }
+        // A retry meets the same certificate: the operator must act.
+        Fault::Untrusted => Verdict::Stop,
         Fault::Source { sqlstate } => match sqlstate.and_then(|c| c.get(..2)) {
             // Closed, refused, shutting down, starting up, out of resources,
             // or a conflict with another transaction.
@@ -285,6 +290,7 @@ mod tests {
             };
             assert_eq!(classify(&fault), Stop, "{code}");
         }
+        assert_eq!(classify(&Fault::Untrusted), Stop);
         assert_eq!(classify(&Fault::Broker { refused: false }), Retry("broker"));
         assert_eq!(classify(&Fault::Broker { refused: true }), Stop);
         for status in [None, Some(500), Some(503), Some(429)] {

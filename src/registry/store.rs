@@ -9,10 +9,7 @@
 //!   distinct versions and neither is lost; the compatibility check runs
 //!   under the same lock, against the history it will extend.
 
-use std::str::FromStr;
-
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::NoTls;
 
 use super::compat::{self, Level, ParsedSchema};
 use super::RegistryError;
@@ -71,10 +68,10 @@ fn db(e: impl std::fmt::Display) -> RegistryError {
 impl Store {
     /// Opens a pool on `dsn` and applies the migration.
     pub async fn open(dsn: &Dsn) -> Result<Store, RegistryError> {
-        let config = tokio_postgres::Config::from_str(dsn.expose()).map_err(db)?;
+        let endpoint = crate::source::tls::Endpoint::parse(dsn).map_err(db)?;
         let manager = Manager::from_config(
-            config,
-            NoTls,
+            endpoint.pg,
+            endpoint.tls.connector(),
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },

@@ -334,6 +334,60 @@ impl ScratchCluster {
         format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
     }
 
+    /// The cluster's directory (data, log, socket), owned by the server.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A connection over the cluster's Unix socket (`local` in pg_hba.conf).
+    pub fn socket_url(&self, db: &str) -> String {
+        format!(
+            "host={} port={} user=postgres dbname={db}",
+            self.dir.display(),
+            self.port
+        )
+    }
+
+    /// Makes a file the server's own, mode 0600 (as a key file must be).
+    pub fn give_to_server(&self, file: &Path) {
+        use std::os::unix::fs::PermissionsExt;
+        if is_root() {
+            run_ok(
+                {
+                    let mut c = Command::new("chown");
+                    c.arg("postgres:").arg(file);
+                    c
+                },
+                "chown for the server",
+            );
+        }
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+    }
+
+    /// Appends `conf` to postgresql.conf, puts `hba` first in pg_hba.conf,
+    /// and reloads.
+    pub fn reconfigure(&self, conf: &[&str], hba: &[&str]) {
+        let data = self.dir.join("data");
+        let conf_path = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf_path).expect("read postgresql.conf");
+        for line in conf {
+            text.push_str(line);
+            text.push('\n');
+        }
+        std::fs::write(&conf_path, text).expect("write postgresql.conf");
+        let hba_path = data.join("pg_hba.conf");
+        let old = std::fs::read_to_string(&hba_path).expect("read pg_hba.conf");
+        let mut text = hba.join("\n");
+        text.push('\n');
+        text.push_str(&old);
+        std::fs::write(&hba_path, text).expect("write pg_hba.conf");
+        let mut reload = as_postgres(&self.bindir.join("pg_ctl"));
+        reload.arg("-D").arg(&data).arg("reload");
+        run_ok(reload, "reload scratch cluster");
+        // A reload is a signal: give the postmaster a moment to apply it.
+        std::thread::sleep(std::time::Duration::from_secs(1));
+    }
+
     /// `pg_ctl restart -m fast`: every connection is closed, the cluster
     /// comes back on the same port with its data and slots.
     pub fn restart(&self) {

@@ -1,0 +1,277 @@
+//! TLS to Postgres: a scratch cluster that refuses plain TCP, with a
+//! certificate for `localhost` signed by a CA this test generates. Every
+//! connection of the pipeline (SQL sessions, the replication stream, the
+//! materializer's target) is encrypted, `verify-full` and `verify-ca`
+//! check what they should, and a refused certificate stops the connector
+//! instead of being retried.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::faults::LOGICAL;
+use crate::materialize as mat;
+use crate::support::{self, ConfigFile, ScratchCluster};
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run openssl");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA that signed a server certificate for `localhost` (and nothing
+/// else), and a second CA that signed nothing of ours.
+struct Certs {
+    ca: PathBuf,
+    other_ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+}
+
+fn make_certs(dir: &Path) -> Certs {
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    for (name, subject) in [("ca", "/CN=pgcdc test CA"), ("other", "/CN=pgcdc other CA")] {
+        let (key, crt) = (format!("{name}.key"), format!("{name}.crt"));
+        let mut args = vec!["req", "-x509"];
+        args.extend(ec);
+        args.extend([
+            "-keyout", &key, "-out", &crt, "-days", "2", "-subj", subject,
+        ]);
+        openssl(dir, &args);
+    }
+    let mut args = vec!["req"];
+    args.extend(ec);
+    args.extend([
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=localhost",
+    ]);
+    openssl(dir, &args);
+    std::fs::write(
+        dir.join("server.ext"),
+        "subjectAltName = DNS:localhost\nbasicConstraints = CA:FALSE\n\
+         keyUsage = digitalSignature\nextendedKeyUsage = serverAuth\n",
+    )
+    .expect("extensions");
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+        ],
+    );
+    Certs {
+        ca: dir.join("ca.crt"),
+        other_ca: dir.join("other.crt"),
+        server_cert: dir.join("server.crt"),
+        server_key: dir.join("server.key"),
+    }
+}
+
+fn config(stack: &support::Stack, source: &str, target: &str, name: &str) -> String {
+    format!(
+        "{}[target]\nurl = \"{target}\"\n{}",
+        support::pipeline_toml(stack, source, name, &["public.customers", "public.orders"]),
+        mat::READ_MODELS
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_connections_are_encrypted_and_verify_the_server() {
+    let stack = support::stack();
+    let cluster = ScratchCluster::start(&LOGICAL);
+    let certs = make_certs(cluster.dir());
+    cluster.give_to_server(&certs.server_key);
+    cluster.reconfigure(
+        &[
+            "ssl = on",
+            &format!("ssl_cert_file = '{}'", certs.server_cert.display()),
+            &format!("ssl_key_file = '{}'", certs.server_key.display()),
+        ],
+        // TCP only with TLS; the test's own sessions use the Unix socket.
+        &[
+            "hostnossl all all 0.0.0.0/0 reject",
+            "hostssl all all 127.0.0.1/32 trust",
+            "hostssl replication all 127.0.0.1/32 trust",
+        ],
+    );
+    let admin = support::connect(&cluster.socket_url("postgres")).await;
+    for db in ["tls_src", "tls_tgt"] {
+        admin
+            .batch_execute(&format!("CREATE DATABASE {db}"))
+            .await
+            .expect("database");
+    }
+    let source = support::connect(&cluster.socket_url("tls_src")).await;
+    let target = support::connect(&cluster.socket_url("tls_tgt")).await;
+    mat::seed(&source, 40, 200).await;
+    let port = cluster.port;
+    let url = |host: &str, db: &str, params: String| {
+        format!("postgres://postgres@{host}:{port}/{db}?{params}")
+    };
+    let ca = format!("sslrootcert={}", certs.ca.display());
+    let name = support::unique("tls");
+
+    // What `check` says of each mode, against this one server.
+    let cases: [(&str, String, bool, &str); 8] = [
+        (
+            "localhost",
+            format!("sslmode=verify-full&{ca}"),
+            true,
+            "sslmode=verify-full",
+        ),
+        (
+            "localhost",
+            format!("sslmode=verify-ca&{ca}"),
+            true,
+            "sslmode=verify-ca",
+        ),
+        // verify-ca checks the chain only, so another name passes...
+        (
+            "127.0.0.1",
+            format!("sslmode=verify-ca&{ca}"),
+            true,
+            "sslmode=verify-ca",
+        ),
+        (
+            "127.0.0.1",
+            "sslmode=require".into(),
+            true,
+            "sslmode=require",
+        ),
+        // ...where verify-full refuses it.
+        (
+            "127.0.0.1",
+            format!("sslmode=verify-full&{ca}"),
+            false,
+            "not valid for name",
+        ),
+        (
+            "localhost",
+            format!(
+                "sslmode=verify-full&sslrootcert={}",
+                certs.other_ca.display()
+            ),
+            false,
+            "UnknownIssuer",
+        ),
+        (
+            "localhost",
+            "sslmode=disable".into(),
+            false,
+            "no encryption",
+        ),
+        (
+            "localhost",
+            "sslmode=verify-full&sslrootcert=/nonexistent/ca.pem".into(),
+            false,
+            "\"/nonexistent/ca.pem\" does not exist",
+        ),
+    ];
+    for (host, params, passes, says) in &cases {
+        let dsn = url(host, "tls_src", params.clone());
+        let file = ConfigFile::write(&config(&stack, &dsn, &dsn, &name));
+        let run = support::pgcdc(&["check", "--config", file.arg()]).await;
+        let line = run.check_line("postgres.connect").unwrap_or_default();
+        let status = if *passes { "PASS" } else { "FAIL" };
+        assert!(
+            line.starts_with(status) && line.contains(says),
+            "{host} {params}: expected {status} with {says:?}:\n{}",
+            run.all_output()
+        );
+        if *passes {
+            assert!(line.contains("TLSv1."), "{line}");
+        } else if says.contains("valid") || says.contains("Issuer") {
+            assert!(run.stdout.contains("sslrootcert (the CA"), "{}", run.stdout);
+        }
+    }
+
+    // The pipeline over verify-full, source and target.
+    let verified = |db| url("localhost", db, format!("sslmode=verify-full&{ca}"));
+    let file = ConfigFile::write(&config(
+        &stack,
+        &verified("tls_src"),
+        &verified("tls_tgt"),
+        &name,
+    ));
+    let parsed = pgcdc::config::Config::load(&file.path).expect("config");
+    let connector = support::ConnectorProcess::start(&file);
+    let mut materializer = mat::materializer(&file, &[], &[]);
+    support::wait_snapshot_completed(&parsed).await;
+    mat::workload(&source, 500, 0x7157).await;
+    support::wait_caught_up(&source, &name).await;
+    mat::wait_converged(&source, &target).await;
+    let row = admin
+        .query_one(
+            "SELECT count(*) FILTER (WHERE a.backend_type = 'walsender' AND s.ssl),
+                    count(*) FILTER (WHERE a.backend_type = 'client backend' AND a.datname = 'tls_tgt' AND s.ssl),
+                    count(*) FILTER (WHERE a.client_addr IS NOT NULL AND NOT s.ssl)
+             FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)",
+            &[],
+        )
+        .await
+        .expect("pg_stat_ssl");
+    let (walsenders, target_sessions, plain): (i64, i64, i64) =
+        (row.get(0), row.get(1), row.get(2));
+    assert!(walsenders >= 1, "the replication stream is not encrypted");
+    assert!(
+        target_sessions >= 1,
+        "the materializer's session is not encrypted"
+    );
+    assert_eq!(plain, 0, "a TCP session without TLS");
+    assert_eq!(connector.terminate().await, 0);
+    let _ = materializer.kill().await;
+
+    // A certificate the connector cannot trust is not an outage: it stops,
+    // naming the reason, instead of retrying for ever.
+    let untrusted = url(
+        "localhost",
+        "tls_src",
+        format!(
+            "sslmode=verify-full&sslrootcert={}",
+            certs.other_ca.display()
+        ),
+    );
+    let file = ConfigFile::write(&config(&stack, &untrusted, &verified("tls_tgt"), &name));
+    let run = tokio::time::timeout(
+        Duration::from_secs(60),
+        support::pgcdc(&["run", "--config", file.arg()]),
+    )
+    .await
+    .expect("pgcdc run with an untrusted certificate kept retrying");
+    assert_ne!(run.code, 0, "{}", run.all_output());
+    assert!(
+        run.stderr.contains("certificate") && run.stderr.contains("UnknownIssuer"),
+        "{}",
+        run.all_output()
+    );
+}
