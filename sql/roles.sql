@@ -42,7 +42,8 @@ REVOKE ALL ON SCHEMA pgcdc_admin FROM PUBLIC;
 -- publication of exactly those tables (created here: a FOR TABLE
 -- publication needs ownership of the tables, which the connector has not).
 -- Identifiers are quoted with format('%I'), tables cast to regclass, so no
--- name can inject SQL.
+-- name can inject SQL. `tables` are SQL names (unquoted parts fold to lower
+-- case): write 'public."Orders"' for what source.tables calls public.Orders.
 CREATE OR REPLACE FUNCTION pgcdc_admin.grant_capture(
     role name, publication name, tables text[]
 ) RETURNS void LANGUAGE plpgsql AS $$

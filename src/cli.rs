@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 
-use crate::config::{Config, ConfigError};
+use crate::config::{canonical_table, Config, ConfigError};
 use crate::registry::{api, store::Store};
 use crate::secret::Dsn;
 use crate::source::{self, slot};
@@ -567,7 +567,8 @@ async fn snapshot(args: &SnapshotArgs) -> Result<u8, Failure> {
         ),
         Some(_) => {}
     }
-    let id = incremental::signal(&client, &config, &args.tables)
+    let tables: Vec<String> = args.tables.iter().map(|t| canonical_table(t)).collect();
+    let id = incremental::signal(&client, &config, &tables)
         .await
         .map_err(Failure)?;
     println!(
@@ -643,8 +644,8 @@ async fn registry(args: RegistryArgs) -> Result<u8, Failure> {
 
 async fn tail(args: &TailArgs) -> Result<u8, Failure> {
     let config = load(&args.config).map_err(config_failure)?;
-    let tables = match &args.table {
-        Some(t) if config.source.tables.contains(t) => vec![t.clone()],
+    let tables = match args.table.as_deref().map(canonical_table) {
+        Some(t) if config.source.tables.contains(&t) => vec![t],
         Some(t) => return Err(Failure(format!("--table {t} is not one of source.tables"))),
         None => config.changelog_tables().cloned().collect(),
     };
@@ -714,7 +715,7 @@ impl DlqFilter {
             ids: self.ids.clone(),
             states,
             class,
-            table: self.table.clone(),
+            table: self.table.as_deref().map(canonical_table),
             since_ms: when("since", &self.since)?,
             until_ms: when("until", &self.until)?,
         };

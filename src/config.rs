@@ -736,13 +736,14 @@ impl Config {
         if !errors.is_empty() {
             return Err(invalid(errors));
         }
-        let config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+        let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
             invalid(vec![FieldError {
                 path: if path == "." { String::new() } else { path },
                 message: e.into_inner().to_string(),
             }])
         })?;
+        config.canonicalize_tables();
         let errors = config.validate();
         if errors.is_empty() {
             Ok(config)
@@ -778,12 +779,43 @@ impl Config {
             "must list at least one table",
         );
         let mut seen = BTreeSet::new();
+        let mut topics: BTreeMap<String, &str> = BTreeMap::new();
         for (i, t) in src.tables.iter().enumerate() {
             let path = format!("source.tables[{i}]");
-            if split_table(t).is_none() {
-                v.push(&path, format!("'{t}' must be written as schema.table"));
-            } else if !seen.insert(t.as_str()) {
-                v.push(&path, format!("'{t}' is listed twice"));
+            match split_table(t) {
+                None => v.push(
+                    &path,
+                    format!(
+                        "'{t}' must be written as schema.table; double-quote a name \
+                         holding '.' or '\"' (\"My Schema\".\"Order.Items\", \"\" for a quote)"
+                    ),
+                ),
+                Some((schema, table)) if schema.len().max(table.len()) > MAX_IDENTIFIER_BYTES => v
+                    .push(
+                        &path,
+                        format!(
+                            "'{t}' has a name over Postgres' {MAX_IDENTIFIER_BYTES}-byte limit"
+                        ),
+                    ),
+                Some(_) if !seen.insert(t.as_str()) => {
+                    v.push(&path, format!("'{t}' is listed twice"))
+                }
+                Some(_) if self.outbox.contains_key(t) => {}
+                Some(_) => {
+                    let topic = self.topic_for(t);
+                    // Kafka treats '.' and '_' alike in topic names.
+                    match topics.insert(topic.replace('.', "_"), t) {
+                        Some(other) => v.push(
+                            &path,
+                            format!("'{t}' and '{other}' would both write topic {topic}"),
+                        ),
+                        None if topic.len() > MAX_TOPIC_LEN => v.push(
+                            &path,
+                            format!("topic {topic} is over Kafka's {MAX_TOPIC_LEN} characters"),
+                        ),
+                        None => {}
+                    }
+                }
             }
         }
         v.check(
@@ -1150,9 +1182,35 @@ impl Config {
             .filter(|t| !self.outbox.contains_key(*t))
     }
 
-    /// The changelog topic of a captured table.
+    /// The changelog topic of a captured table: `<prefix>.<schema>.<table>`
+    /// under [`topic_name`]'s rule, as Debezium names it.
     pub fn topic_for(&self, table: &str) -> String {
-        format!("{}.{}", self.kafka.topic_prefix, table)
+        let names = split_table(table)
+            .map(|(s, t)| format!("{s}.{t}"))
+            .unwrap_or_else(|| table.to_string());
+        topic_name(&format!("{}.{names}", self.kafka.topic_prefix))
+    }
+
+    /// Rewrites every table reference to [`table_name`]'s spelling, so
+    /// `"public"."orders"` and `public.orders` are one table everywhere.
+    fn canonicalize_tables(&mut self) {
+        for t in &mut self.source.tables {
+            *t = canonical_table(t);
+        }
+        for rm in self.read_models.values_mut() {
+            rm.table = canonical_table(&rm.table);
+            for s in &mut rm.sources {
+                s.table = canonical_table(&s.table);
+            }
+        }
+        self.outbox = std::mem::take(&mut self.outbox)
+            .into_iter()
+            .map(|(t, o)| (canonical_table(&t), o))
+            .collect();
+        self.dlq.mappings = std::mem::take(&mut self.dlq.mappings)
+            .into_iter()
+            .map(|(t, m)| (canonical_table(&t), m))
+            .collect();
     }
 
     /// The effective config as TOML, with secrets redacted.
@@ -1191,11 +1249,80 @@ impl Validator {
     }
 }
 
-/// `schema.table` split in two, both non-empty identifiers.
-pub fn split_table(name: &str) -> Option<(&str, &str)> {
-    let (schema, table) = name.split_once('.')?;
-    (!schema.is_empty() && !table.is_empty() && !table.contains('.')).then_some((schema, table))
+/// A `schema.table` reference split into the two names. Each part is
+/// either bare, taken exactly as written (case kept, as Postgres' catalog
+/// has it), without `.` or `"`, or double-quoted like SQL, holding any
+/// characters with `""` for a quote: `"Sales Dept"."Order.Items"`.
+pub fn split_table(name: &str) -> Option<(String, String)> {
+    let (schema, rest) = name_part(name)?;
+    let (table, rest) = name_part(rest.strip_prefix('.')?)?;
+    rest.is_empty().then_some((schema, table))
 }
+
+/// One name of a `schema.table` reference, and the text after it.
+fn name_part(s: &str) -> Option<(String, &str)> {
+    let Some(body) = s.strip_prefix('"') else {
+        let end = s.find('.').unwrap_or(s.len());
+        let part = &s[..end];
+        return (!part.is_empty() && !part.contains('"')).then(|| (part.to_string(), &s[end..]));
+    };
+    let mut name = String::new();
+    let mut rest = body;
+    loop {
+        let quote = rest.find('"')?;
+        name.push_str(&rest[..quote]);
+        rest = &rest[quote + 1..];
+        match rest.strip_prefix('"') {
+            Some(after) => {
+                name.push('"');
+                rest = after;
+            }
+            None => return (!name.is_empty()).then_some((name, rest)),
+        }
+    }
+}
+
+/// How `source.tables` writes a table: each part bare where that reads
+/// back the same, double-quoted otherwise. Config entries are rewritten to
+/// this form when loaded, so it is the one spelling every comparison sees.
+pub fn table_name(schema: &str, table: &str) -> String {
+    let part = |p: &str| {
+        if !p.is_empty() && !p.contains(['.', '"']) {
+            p.to_string()
+        } else {
+            format!("\"{}\"", p.replace('"', "\"\""))
+        }
+    };
+    format!("{}.{}", part(schema), part(table))
+}
+
+/// The table reference in [`table_name`]'s spelling, or as written when
+/// it does not parse (validation then names it).
+pub fn canonical_table(name: &str) -> String {
+    split_table(name)
+        .map(|(s, t)| table_name(&s, &t))
+        .unwrap_or_else(|| name.to_string())
+}
+
+/// Debezium's topic-name rule: every character outside Kafka's alphabet
+/// (`a-z A-Z 0-9 . _ -`) becomes `_`.
+pub fn topic_name(name: &str) -> String {
+    name.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// Kafka's limit on a topic name's length.
+const MAX_TOPIC_LEN: usize = 249;
+
+/// Postgres' limit on an identifier, in bytes (longer names are cut).
+const MAX_IDENTIFIER_BYTES: usize = 63;
 
 fn is_identifier(s: &str) -> bool {
     !s.is_empty()
@@ -1423,6 +1550,58 @@ url = "http://127.0.0.1:8081"
     /// A table of malformed and contradictory configs: each is refused,
     /// and the error names exactly the field at fault.
     #[test]
+    fn table_names_are_bare_or_quoted_and_have_one_spelling() {
+        let split = split_table;
+        assert_eq!(
+            split("public.orders"),
+            Some(("public".into(), "orders".into()))
+        );
+        // Bare parts keep their case, as the catalog has them.
+        assert_eq!(
+            split("public.Orders"),
+            Some(("public".into(), "Orders".into()))
+        );
+        assert_eq!(
+            split(r#""Sales ""Dept""".Order Items"#),
+            Some((r#"Sales "Dept""#.into(), "Order Items".into()))
+        );
+        assert_eq!(
+            split(r#"public."v1.2""#),
+            Some(("public".into(), "v1.2".into()))
+        );
+        assert_eq!(split("日本.表"), Some(("日本".into(), "表".into())));
+        for bad in [
+            "orders", "a.b.c", "\"a\".", ".b", "\"\".b", "\"a.b", "a\"b.c", "\"a\"x.b", "a.\"b\"c",
+        ] {
+            assert_eq!(split(bad), None, "{bad}");
+        }
+        // One spelling: bare where that reads back the same.
+        for (schema, table, spelt) in [
+            ("public", "orders", "public.orders"),
+            ("public", "Order Items", "public.Order Items"),
+            ("Sales \"Dept\"", "v1.2", r#""Sales ""Dept"""."v1.2""#),
+        ] {
+            assert_eq!(table_name(schema, table), spelt);
+            assert_eq!(split(spelt), Some((schema.into(), table.into())));
+        }
+        assert_eq!(canonical_table(r#""public"."orders""#), "public.orders");
+        assert_eq!(canonical_table("not a table"), "not a table");
+    }
+
+    #[test]
+    fn topics_replace_what_kafka_does_not_allow_as_debezium_does() {
+        let mut c = Config::from_toml(MINIMAL, "t", &[]).expect("minimal");
+        c.kafka.topic_prefix = "shop".into();
+        assert_eq!(c.topic_for("public.orders"), "shop.public.orders");
+        assert_eq!(
+            c.topic_for(r#""Sales ""Dept""".Order Items"#),
+            "shop.Sales__Dept_.Order_Items"
+        );
+        assert_eq!(c.topic_for("public.Café-2"), "shop.public.Caf_-2");
+        assert_eq!(c.topic_for(r#"public."v1.2""#), "shop.public.v1.2");
+    }
+
+    #[test]
     fn every_malformed_or_contradictory_config_names_its_field() {
         const TARGET: &str = "[target]\nurl = \"postgres://t@127.0.0.1/t\"\n";
         const MODEL: &str = "[read_models.m]\ntable = \"rm.m\"\nkey = [\"id\"]\nquery = \"SELECT id FROM mirror.orders WHERE id = ANY($1)\"\nsources = [{ table = \"public.orders\", key_columns = [\"id\"] }]\n";
@@ -1464,6 +1643,48 @@ url = "http://127.0.0.1:8081"
                     "[\"public.orders\", \"public.orders\"]",
                 ),
                 "source.tables[1]",
+            ),
+            (
+                "the same table spelt two ways",
+                replace(
+                    "[\"public.orders\"]",
+                    "['public.orders', '\"public\".\"orders\"']",
+                ),
+                "source.tables[1]",
+            ),
+            (
+                "an unterminated quoted name",
+                replace("[\"public.orders\"]", "['public.\"orders']"),
+                "source.tables[0]",
+            ),
+            (
+                "a dot in a bare name",
+                replace("[\"public.orders\"]", "[\"public.orders.v2\"]"),
+                "source.tables[0]",
+            ),
+            (
+                "a name over 63 bytes",
+                replace(
+                    "[\"public.orders\"]",
+                    &format!("[\"public.{}\"]", "o".repeat(64)),
+                ),
+                "source.tables[0]",
+            ),
+            (
+                "two tables, one topic",
+                replace(
+                    "[\"public.orders\"]",
+                    "[\"public.order lines\", \"public.order-lines\", \"public.order_lines\"]",
+                ),
+                "source.tables[2]",
+            ),
+            (
+                "an unknown sslmode",
+                replace(
+                    "127.0.0.1:5432/shop",
+                    "127.0.0.1:5432/shop?sslmode=verify-everything",
+                ),
+                "source.url",
             ),
             (
                 "not a DSN",

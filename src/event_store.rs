@@ -24,6 +24,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::{Client, GenericClient, Row, Transaction};
 
 use crate::source;
+use crate::source::slot::quote_ident;
 
 /// The table `sql/event_store.sql` creates.
 pub const DEFAULT_TABLE: &str = "event_store.events";
@@ -163,7 +164,7 @@ impl EventStore {
         let (schema, name) = crate::config::split_table(table)
             .ok_or_else(|| format!("event store table {table:?} is not schema.table"))?;
         Ok(EventStore {
-            table: format!("{}.{}", quote(schema), quote(name)),
+            table: format!("{}.{}", quote_ident(&schema), quote_ident(&name)),
         })
     }
 
@@ -339,8 +340,4 @@ fn recorded(row: &Row) -> RecordedEvent {
         metadata: serde_json::from_str(&metadata).unwrap_or_default(),
         recorded_at_ms: row.get(9),
     }
-}
-
-fn quote(ident: &str) -> String {
-    format!("\"{}\"", ident.replace('"', "\"\""))
 }

@@ -23,6 +23,7 @@ use tokio_postgres::Client;
 use crate::config::{split_table, Config};
 use crate::secret::Dsn;
 use crate::sink;
+use crate::source::slot::quote_ident;
 
 /// How long one system may take to answer before its check fails.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -305,7 +306,7 @@ async fn source_checks(
         r.fail(
             "postgres.role",
             format!("role '{role}' has neither REPLICATION nor superuser"),
-            format!("ALTER ROLE \"{role}\" WITH REPLICATION"),
+            format!("ALTER ROLE {} WITH REPLICATION", quote_ident(&role)),
         );
     }
 
@@ -314,6 +315,14 @@ async fn source_checks(
     }
     check_publication(client, config, superuser, r).await?;
     check_slot(client, config, r).await
+}
+
+/// `source.tables` as SQL spells them (quoted), for queries and fixes.
+fn sql_names(tables: &[String]) -> Vec<String> {
+    tables
+        .iter()
+        .map(|t| crate::source::slot::sql_table(t))
+        .collect()
 }
 
 async fn check_table(
@@ -326,6 +335,8 @@ async fn check_table(
     let Some((schema, rel)) = split_table(table) else {
         return Ok(()); // validation already refused it
     };
+    // The table as SQL spells it, for the fixes we suggest.
+    let sql = format!("{}.{}", quote_ident(&schema), quote_ident(&rel));
     let row = client
         .query_one(
             "SELECT c.oid IS NOT NULL,
@@ -352,7 +363,7 @@ async fn check_table(
         r.fail(
             &name,
             format!("role '{role}' lacks SELECT on {table}; the snapshot cannot read it"),
-            format!("GRANT SELECT ON {table} TO \"{role}\""),
+            format!("GRANT SELECT ON {sql} TO {}", quote_ident(role)),
         );
         return Ok(());
     }
@@ -361,13 +372,13 @@ async fn check_table(
         ("d", false, _) => r.fail(
             &name,
             format!("{table} has no primary key and REPLICA IDENTITY DEFAULT: its updates and deletes cannot be captured"),
-            format!("add a primary key, or ALTER TABLE {table} REPLICA IDENTITY USING INDEX <unique index>"),
+            format!("add a primary key, or ALTER TABLE {sql} REPLICA IDENTITY USING INDEX <unique index>"),
         ),
         ("i", _, true) => r.pass(&name, format!("{table}: SELECT granted, replica identity is a unique index")),
         ("i", _, false) => r.fail(
             &name,
             format!("{table} has REPLICA IDENTITY USING INDEX but the index is gone"),
-            format!("ALTER TABLE {table} REPLICA IDENTITY USING INDEX <unique index>, or DEFAULT with a primary key"),
+            format!("ALTER TABLE {sql} REPLICA IDENTITY USING INDEX <unique index>, or DEFAULT with a primary key"),
         ),
         ("f", _, _) => r.warn(
             &name,
@@ -377,7 +388,7 @@ async fn check_table(
         _ => r.fail(
             &name,
             format!("{table} has REPLICA IDENTITY NOTHING: its updates and deletes cannot be captured"),
-            format!("ALTER TABLE {table} REPLICA IDENTITY DEFAULT (with a primary key)"),
+            format!("ALTER TABLE {sql} REPLICA IDENTITY DEFAULT (with a primary key)"),
         ),
     }
     Ok(())
@@ -401,13 +412,14 @@ async fn check_publication(
     let Some(row) = row else {
         // CREATE PUBLICATION ... FOR TABLE needs CREATE on the database and
         // ownership of every table.
+        let sql_names = sql_names(&src.tables);
         let row = client
             .query_one(
                 "SELECT has_database_privilege(current_database(), 'CREATE'),
                         coalesce(array_agg(t) FILTER (WHERE NOT pg_has_role(c.relowner, 'USAGE')), '{}')
                  FROM unnest($1::text[]) t
                  LEFT JOIN pg_class c ON c.oid = to_regclass(t)",
-                &[&src.tables],
+                &[&sql_names],
             )
             .await?;
         let (can_create, not_owned): (bool, Vec<String>) = (row.get(0), row.get(1));
@@ -434,7 +446,7 @@ async fn check_publication(
                 format!(
                     "as the tables' owner: CREATE PUBLICATION {} FOR TABLE {}",
                     src.publication,
-                    src.tables.join(", ")
+                    sql_names.join(", ")
                 ),
             );
         }
@@ -454,11 +466,18 @@ async fn check_publication(
         .map(|(_, op)| *op)
         .collect();
     if !missing.is_empty() {
-        let list = missing.join(", ");
         r.fail(
             name,
-            format!("publication '{}' does not cover {list}", src.publication),
-            format!("ALTER PUBLICATION {} ADD TABLE {list}", src.publication),
+            format!(
+                "publication '{}' does not cover {}",
+                src.publication,
+                missing.join(", ")
+            ),
+            format!(
+                "ALTER PUBLICATION {} ADD TABLE {}",
+                src.publication,
+                sql_names(&missing).join(", ")
+            ),
         );
     } else if missing_ops.iter().any(|op| *op != "truncate") {
         r.fail(

@@ -9,6 +9,7 @@ mod dlq;
 mod event_sourcing;
 mod exactly_once;
 mod faults;
+mod identifiers;
 mod incremental;
 mod ledger;
 mod materialize;

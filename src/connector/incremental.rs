@@ -136,7 +136,7 @@ pub async fn check_tables(sql: &Client, config: &Config, tables: &[String]) -> R
         }
         let (schema, name) =
             split_table(t).ok_or_else(|| format!("--table {t}: not schema.table"))?;
-        let (oid, _) = catalog::describe(sql, schema, name)
+        let (oid, _) = catalog::describe(sql, &schema, &name)
             .await
             .map_err(|e| crate::source::error_text(&e))?
             .ok_or_else(|| format!("--table {t}: the table does not exist"))?;
@@ -492,7 +492,7 @@ impl Engine {
         };
         let (schema, name) =
             split_table(&table).ok_or_else(|| RunError::Config(format!("bad table {table}")))?;
-        let Some((oid, desc)) = catalog::describe(sql, schema, name).await? else {
+        let Some((oid, desc)) = catalog::describe(sql, &schema, &name).await? else {
             return self.fail(output, format!("{table} no longer exists")).await;
         };
         if catalog::unique_key_columns(sql, oid).await?.is_empty() {

@@ -1094,8 +1094,8 @@ async fn plan_table(
     client
         .batch_execute(&format!(
             "LOCK TABLE {}.{} IN ACCESS SHARE MODE",
-            slot::quote_ident(schema),
-            slot::quote_ident(name)
+            slot::quote_ident(&schema),
+            slot::quote_ident(&name)
         ))
         .await?;
     // The columns as they are now, not as of the snapshot: COPY resolves
@@ -1103,7 +1103,7 @@ async fn plan_table(
     // snapshot but before the lock above must not break it. Each copy
     // checks them again under its own lock.
     let current = sql_session(&output.config).await?;
-    let (oid, desc) = catalog::describe(&current, schema, name)
+    let (oid, desc) = catalog::describe(&current, &schema, &name)
         .await?
         .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
     drop(current);
@@ -1117,7 +1117,11 @@ async fn plan_table(
         .get(0);
     let chunk_rows = output.config.source.snapshot.chunk_rows as f64;
     let n = (estimate / chunk_rows).ceil().max(1.0) as i64;
-    let qualified = format!("{}.{}", slot::quote_ident(schema), slot::quote_ident(name));
+    let qualified = format!(
+        "{}.{}",
+        slot::quote_ident(&schema),
+        slot::quote_ident(&name)
+    );
     let mut chunks = vec![None];
     // An outbox table is copied whole and in key order (see copy_chunk).
     if n > 1 && !output.config.outbox.contains_key(table) {

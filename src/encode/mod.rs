@@ -64,8 +64,9 @@ pub struct TableDesc {
 }
 
 impl TableDesc {
+    /// The table as `source.tables` writes it (see [`crate::config::table_name`]).
     pub fn qualified(&self) -> String {
-        format!("{}.{}", self.schema, self.table)
+        crate::config::table_name(&self.schema, &self.table)
     }
 }
 
@@ -127,6 +128,27 @@ pub enum EncodeError {
     Arity(usize, usize),
     #[error("avro: {0}")]
     Avro(String),
+}
+
+/// The Avro field name of each column: [`avro_name`], made unique by a
+/// `_2`, `_3`, ... suffix where two columns sanitize alike (`a b`, `a-b`).
+/// Fields whose name differs from their column carry the column's name in
+/// `pgcdc.column`, which is what the materializer names mirror columns by.
+pub fn field_names<'a>(columns: impl IntoIterator<Item = &'a str>) -> Vec<String> {
+    let mut taken = std::collections::HashSet::new();
+    columns
+        .into_iter()
+        .map(|c| {
+            let base = avro_name(c);
+            let mut name = base.clone();
+            let mut n = 1;
+            while !taken.insert(name.clone()) {
+                n += 1;
+                name = format!("{base}_{n}");
+            }
+            name
+        })
+        .collect()
 }
 
 /// Avro names allow [A-Za-z_][A-Za-z0-9_]*; anything else becomes `_`.
@@ -238,14 +260,22 @@ impl TableCodec {
             })
             .collect();
 
+        let fields = field_names(desc.columns.iter().map(|c| c.name.as_str()));
+        let field = |c: &ColumnDesc, name: &str, schema: Json| {
+            let mut f = json!({"name": name, "type": schema});
+            if name != c.name {
+                f["pgcdc.column"] = json!(c.name);
+            }
+            f
+        };
         let mut key_names = Names::default();
         let key_fields: Vec<Json> = desc
             .columns
             .iter()
-            .zip(&kinds)
-            .zip(&key_layouts)
+            .zip(&fields)
+            .zip(kinds.iter().zip(&key_layouts))
             .filter(|((c, _), _)| c.key)
-            .map(|((c, k), l)| json!({"name": avro_name(&c.name), "type": column_schema(k, l, &mut key_names)}))
+            .map(|((c, name), (k, l))| field(c, name, column_schema(k, l, &mut key_names)))
             .collect();
         let key_schema = json!({
             "type": "record", "name": "Key", "namespace": namespace,
@@ -256,13 +286,11 @@ impl TableCodec {
         let value_fields: Vec<Json> = desc
             .columns
             .iter()
-            .zip(&kinds)
-            .zip(&layouts)
-            .map(|((c, k), l)| {
-                let mut f = json!({"name": avro_name(&c.name), "type": column_schema(k, l, &mut names), "default": null});
-                if avro_name(&c.name) != c.name {
-                    f["pgcdc.column"] = json!(c.name);
-                }
+            .zip(&fields)
+            .zip(kinds.iter().zip(&layouts))
+            .map(|((c, name), (k, l))| {
+                let mut f = field(c, name, column_schema(k, l, &mut names));
+                f["default"] = Json::Null;
                 f
             })
             .collect();
@@ -291,7 +319,7 @@ impl TableCodec {
             ]
         });
         Ok(TableCodec {
-            field_names: desc.columns.iter().map(|c| avro_name(&c.name)).collect(),
+            field_names: fields,
             key_writer: leak_writer(&key_schema)?,
             value_writer: leak_writer(&value_schema)?,
             key_schema,
@@ -695,6 +723,10 @@ mod tests {
     fn names_are_sanitized_for_avro() {
         assert_eq!(avro_name("order-lines"), "order_lines");
         assert_eq!(avro_name("1st"), "_1st");
+        assert_eq!(
+            field_names(["a b", "a-b", "a_b", "日本", "Id", "id"]),
+            ["a_b", "a_b_2", "a_b_3", "__", "Id", "id"]
+        );
     }
 }
 

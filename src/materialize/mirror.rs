@@ -170,16 +170,16 @@ impl Mirror {
 /// Mirror table names: the source table's name, or `<schema>_<table>`
 /// when two captured tables share a name.
 pub fn mirror_names(sources: &[String]) -> Vec<String> {
-    let table = |s: &str| {
-        s.split_once('.')
-            .map_or(s.to_string(), |(_, t)| t.to_string())
-    };
+    let parts =
+        |s: &str| crate::config::split_table(s).unwrap_or_else(|| (String::new(), s.into()));
+    let table = |s: &str| parts(s).1;
     sources
         .iter()
         .map(|s| {
             let shared = sources.iter().filter(|o| table(o) == table(s)).count() > 1;
             if shared {
-                s.replacen('.', "_", 1)
+                let (schema, table) = parts(s);
+                format!("{schema}_{table}")
             } else {
                 table(s)
             }

@@ -400,7 +400,7 @@ impl State {
             .into_iter()
             .flatten()
             .filter_map(|f| {
-                let name = f["name"].as_str()?;
+                let name = shape::column_name(f)?;
                 (!m.columns.iter().any(|c| c.name == name)).then(|| Column {
                     name: name.to_string(),
                     sql_type: shape::sql_type(&f["type"], &w.names),
@@ -477,11 +477,14 @@ impl State {
             .mirrors
             .get(topic)
             .ok_or_else(|| bad(format!("no mirror for topic {topic}")))?;
-        // The row record's field schemas, by name, from the writer schema.
-        let field_schema = |name: &str| {
+        // The writer's row-record field of a source column, and its schema.
+        let field_of = |column: &str| {
             w.row["fields"]
                 .as_array()
-                .and_then(|f| f.iter().find(|f| f["name"] == name))
+                .and_then(|f| f.iter().find(|f| shape::column_name(f) == Some(column)))
+        };
+        let field_schema = |column: &str| {
+            field_of(column)
                 .map(|f| f["type"].clone())
                 .unwrap_or(Json::Null)
         };
@@ -537,7 +540,8 @@ impl State {
                 .iter()
                 .map(|c| {
                     let name = writer_name(&c.name);
-                    match row.iter().find(|(n, _)| *n == name) {
+                    let avro = field_of(&name).and_then(|f| f["name"].as_str());
+                    match row.iter().find(|(n, _)| Some(n.as_str()) == avro) {
                         Some((_, v)) => {
                             shape::cell(v, &field_schema(&name), &w.names).map_err(|e| Failure {
                                 class: value_class(&c.name),
@@ -647,7 +651,7 @@ async fn mirror_for(
         .map(|f| {
             f.iter()
                 .map(|f| Column {
-                    name: f["name"].as_str().unwrap_or_default().to_string(),
+                    name: shape::column_name(f).unwrap_or_default().to_string(),
                     sql_type: shape::sql_type(&f["type"], &names),
                 })
                 .collect()
@@ -657,7 +661,7 @@ async fn mirror_for(
         .as_array()
         .map(|f| {
             f.iter()
-                .filter_map(|f| f["name"].as_str().map(String::from))
+                .filter_map(|f| shape::column_name(f).map(String::from))
                 .collect()
         })
         .unwrap_or_default();

@@ -22,6 +22,15 @@ pub struct Column {
     pub sql_type: String,
 }
 
+/// The source column a record field stands for: its `pgcdc.column`, set
+/// where the column's name is no valid Avro name (`Order Items`, `日本`),
+/// else the field's own name.
+pub fn column_name(field: &Json) -> Option<&str> {
+    field["pgcdc.column"]
+        .as_str()
+        .or_else(|| field["name"].as_str())
+}
+
 /// One column value of a change.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cell {

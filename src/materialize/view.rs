@@ -102,11 +102,9 @@ impl View {
         rm: &ReadModelConfig,
     ) -> Result<View, String> {
         let field = |f: &str| format!("read_models.{name}.{f}");
-        let (schema, table) = rm
-            .table
-            .split_once('.')
+        let (schema, table) = crate::config::split_table(&rm.table)
             .ok_or_else(|| format!("{}: must be schema.table", field("table")))?;
-        let qualified = format!("{}.{}", quote_ident(schema), quote_ident(table));
+        let qualified = format!("{}.{}", quote_ident(&schema), quote_ident(&table));
         let key = rm
             .key
             .first()
@@ -143,7 +141,7 @@ impl View {
                  PREPARE {statement} AS {query};
                  CREATE TABLE IF NOT EXISTS {qualified} AS EXECUTE {statement}(NULL) WITH NO DATA;
                  DEALLOCATE {statement};",
-                schema_q = quote_ident(schema),
+                schema_q = quote_ident(&schema),
                 query = rm.query,
             ))
             .await

@@ -284,7 +284,7 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
             .tables
             .iter()
             .filter_map(|t| split_table(t))
-            .map(|(s, t)| format!("{}.{}", quote_ident(s), quote_ident(t)))
+            .map(|(s, t)| format!("{}.{}", quote_ident(&s), quote_ident(&t)))
             .collect();
         client
             .batch_execute(&format!(
@@ -302,7 +302,11 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
     } else {
         Err(SlotError::PublicationIncomplete {
             publication: src.publication.clone(),
-            missing: missing.join(", "),
+            missing: missing
+                .iter()
+                .map(|t| sql_table(t))
+                .collect::<Vec<_>>()
+                .join(", "),
         })
     }
 }
@@ -314,12 +318,12 @@ pub async fn uncovered_tables(
 ) -> Result<Vec<String>, tokio_postgres::Error> {
     let covered: Vec<String> = client
         .query(
-            "SELECT schemaname || '.' || tablename FROM pg_publication_tables WHERE pubname = $1",
+            "SELECT schemaname::text, tablename::text FROM pg_publication_tables WHERE pubname = $1",
             &[&config.source.publication],
         )
         .await?
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| crate::config::table_name(r.get(0), r.get(1)))
         .collect();
     Ok(config
         .source
@@ -328,6 +332,14 @@ pub async fn uncovered_tables(
         .filter(|t| !covered.contains(t))
         .cloned()
         .collect())
+}
+
+/// A `source.tables` entry as SQL spells it: `public."Orders"`.
+pub fn sql_table(table: &str) -> String {
+    match split_table(table) {
+        Some((s, t)) => format!("{}.{}", quote_ident(&s), quote_ident(&t)),
+        None => table.to_string(),
+    }
 }
 
 /// Quotes a Postgres identifier.
