@@ -317,7 +317,8 @@ pub struct DlqPolicyConfig {
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DlqMappingConfig {
-    /// Writer field name → the column it became.
+    /// The writer's column name → the column it became (source column
+    /// names, not their Avro spellings).
     #[serde(default)]
     pub renames: BTreeMap<String, String>,
     /// Column → the value (as Postgres text) for records whose writer
@@ -743,8 +744,8 @@ impl Config {
                 message: e.into_inner().to_string(),
             }])
         })?;
-        config.canonicalize_tables();
-        let errors = config.validate();
+        let mut errors = config.canonicalize_tables();
+        errors.extend(config.validate());
         if errors.is_empty() {
             Ok(config)
         } else {
@@ -889,6 +890,31 @@ impl Config {
 
         if let Some(t) = &self.target {
             v.check_dsn(&t.url, "target.url");
+            // Mirror names must be distinct, and whole: Postgres cuts longer ones.
+            let tables: Vec<String> = self
+                .changelog_tables()
+                .filter(|t| split_table(t).is_some())
+                .cloned()
+                .collect();
+            let names = crate::materialize::mirror::mirror_names(&tables);
+            for (i, (table, mirror)) in tables.iter().zip(&names).enumerate() {
+                if let Some(other) = tables[..i].iter().zip(&names).find(|(_, m)| *m == mirror) {
+                    v.push(
+                        "source.tables",
+                        format!(
+                            "'{table}' and '{}' would both be mirrored as {}.{mirror}",
+                            other.0, t.mirror_schema
+                        ),
+                    );
+                } else if mirror.len() > MAX_IDENTIFIER_BYTES {
+                    v.push(
+                        "source.tables",
+                        format!(
+                            "'{table}' would be mirrored as {mirror}, over Postgres' {MAX_IDENTIFIER_BYTES}-byte limit"
+                        ),
+                    );
+                }
+            }
             v.check(
                 is_identifier(&t.mirror_schema),
                 "target.mirror_schema",
@@ -1193,7 +1219,8 @@ impl Config {
 
     /// Rewrites every table reference to [`table_name`]'s spelling, so
     /// `"public"."orders"` and `public.orders` are one table everywhere.
-    fn canonicalize_tables(&mut self) {
+    /// Returns the map keys that now name a table twice.
+    fn canonicalize_tables(&mut self) -> Vec<FieldError> {
         for t in &mut self.source.tables {
             *t = canonical_table(t);
         }
@@ -1203,14 +1230,21 @@ impl Config {
                 s.table = canonical_table(&s.table);
             }
         }
-        self.outbox = std::mem::take(&mut self.outbox)
-            .into_iter()
-            .map(|(t, o)| (canonical_table(&t), o))
-            .collect();
-        self.dlq.mappings = std::mem::take(&mut self.dlq.mappings)
-            .into_iter()
-            .map(|(t, m)| (canonical_table(&t), m))
-            .collect();
+        let mut clashes = Vec::new();
+        fn rekey<V>(map: &mut BTreeMap<String, V>, section: &str, clashes: &mut Vec<FieldError>) {
+            for (t, v) in std::mem::take(map) {
+                let spelt = canonical_table(&t);
+                if map.insert(spelt.clone(), v).is_some() {
+                    clashes.push(FieldError {
+                        path: format!("{section}.\"{t}\""),
+                        message: format!("names {spelt} a second time"),
+                    });
+                }
+            }
+        }
+        rekey(&mut self.outbox, "outbox", &mut clashes);
+        rekey(&mut self.dlq.mappings, "dlq.mappings", &mut clashes);
+        clashes
     }
 
     /// The effective config as TOML, with secrets redacted.
@@ -1239,12 +1273,17 @@ impl Validator {
     }
 
     fn check_dsn(&mut self, dsn: &Dsn, path: &str) {
-        if let Err(e) = crate::source::tls::Endpoint::parse(dsn) {
+        match crate::source::tls::Endpoint::parse(dsn) {
             // tokio-postgres's parse errors quote no values, so no secret leaks.
-            self.push(
+            Err(e) => self.push(
                 path,
                 format!("is not a valid Postgres connection string: {e}"),
-            );
+            ),
+            Ok(endpoint) => {
+                if let Some(e) = endpoint.tls.conflict() {
+                    self.push(path, e.to_string());
+                }
+            }
         }
     }
 }
@@ -1683,6 +1722,28 @@ url = "http://127.0.0.1:8081"
                 replace(
                     "127.0.0.1:5432/shop",
                     "127.0.0.1:5432/shop?sslmode=verify-everything",
+                ),
+                "source.url",
+            ),
+            (
+                "a mapping spelt two ways",
+                append("[dlq.mappings.\"public.orders\"]\n[dlq.mappings.'\"public\".orders']\n"),
+                // Keys come in byte order: the quoted spelling first.
+                "dlq.mappings.\"public.orders\"",
+            ),
+            (
+                "two tables, one mirror",
+                format!(
+                    "{}{TARGET}",
+                    replace("[\"public.orders\"]", "[\"s.t\", \"u.t\", \"public.s_t\"]")
+                ),
+                "source.tables",
+            ),
+            (
+                "sslrootcert=system with a weak sslmode",
+                replace(
+                    "127.0.0.1:5432/shop",
+                    "127.0.0.1:5432/shop?sslrootcert=system&sslmode=require",
                 ),
                 "source.url",
             ),

@@ -187,6 +187,8 @@ async fn check_source(config: &Config, r: &mut Report) {
                 format!("cannot connect to {}: {e}", src.url.redacted()),
                 hint,
             );
+            // pg_hba.conf may refuse one kind and take the other: say both.
+            check_replication(config, r).await;
             return;
         }
     };
@@ -209,12 +211,64 @@ async fn check_source(config: &Config, r: &mut Report) {
             src.url.redacted()
         ),
     );
+    check_replication(config, r).await;
     if let Err(e) = source_checks(&client, config, r).await {
         r.fail(
             "postgres.query",
             format!("a catalog query failed: {e}"),
             "check that the role can read pg_catalog",
         );
+    }
+}
+
+/// Opens the connector's own kind of connection (replication protocol,
+/// its TLS settings) without starting it: pg_hba.conf and TLS may treat it
+/// unlike a SQL session.
+async fn check_replication(config: &Config, r: &mut Report) {
+    let name = "postgres.replication";
+    let hint = |e: &str| {
+        format!(
+            "{}; the connector's connection uses the replication protocol",
+            connect_hint(e, "source.url")
+        )
+    };
+    let settings = match crate::connector::replication_config(config) {
+        Ok(s) => s,
+        Err(e) => {
+            let e = e.to_string();
+            r.fail(
+                name,
+                format!("cannot open a replication connection: {e}"),
+                hint(&e),
+            );
+            return;
+        }
+    };
+    let attempt = async {
+        let mut session = pgwire_replication::ReplicationClient::connect_gated(settings).await?;
+        session.identify_system().await
+    };
+    match tokio::time::timeout(CHECK_TIMEOUT, attempt).await {
+        Ok(Ok(system)) => r.pass(
+            name,
+            format!(
+                "a replication connection opens (timeline {}, WAL at {})",
+                system.timeline, system.xlogpos
+            ),
+        ),
+        Ok(Err(e)) => {
+            let e = e.to_string();
+            r.fail(
+                name,
+                format!("cannot open a replication connection: {e}"),
+                hint(&e),
+            );
+        }
+        Err(_) => r.fail(
+            name,
+            format!("no answer within {}s", CHECK_TIMEOUT.as_secs()),
+            hint(""),
+        ),
     }
 }
 
@@ -336,7 +390,7 @@ async fn check_table(
         return Ok(()); // validation already refused it
     };
     // The table as SQL spells it, for the fixes we suggest.
-    let sql = format!("{}.{}", quote_ident(&schema), quote_ident(&rel));
+    let sql = crate::source::slot::sql_table(table);
     let row = client
         .query_one(
             "SELECT c.oid IS NOT NULL,

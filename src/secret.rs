@@ -96,10 +96,16 @@ impl<'de> Deserialize<'de> for Dsn {
 /// Redacts the password of a URL-form or key/value-form connection string,
 /// and any `password=` query parameter.
 pub fn redact_dsn(dsn: &str) -> String {
-    if let Some(scheme_end) = dsn.find("://") {
-        redact_url(dsn, scheme_end)
-    } else {
-        redact_key_value(dsn)
+    // A URL starts with its scheme; "://" inside a key/value value is not one.
+    let scheme_end = dsn.find("://").filter(|&i| {
+        i > 0
+            && dsn[..i]
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+    });
+    match scheme_end {
+        Some(end) => redact_url(dsn, end),
+        None => redact_key_value(dsn),
     }
 }
 
@@ -107,13 +113,13 @@ pub fn redact_dsn(dsn: &str) -> String {
 fn redact_url(url: &str, scheme_end: usize) -> String {
     let rest_start = scheme_end + 3;
     let rest = &url[rest_start..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
     let mut out = String::with_capacity(url.len());
     out.push_str(&url[..rest_start]);
-    match authority.rfind('@') {
+    // Credentials end at the first '@', as tokio-postgres reads them: a
+    // '/', '?' or '#' in a password does not end them.
+    let after_credentials = match rest.find('@') {
         Some(at) => {
-            let userinfo = &authority[..at];
+            let userinfo = &rest[..at];
             match userinfo.find(':') {
                 Some(colon) => {
                     out.push_str(&userinfo[..colon]);
@@ -122,11 +128,12 @@ fn redact_url(url: &str, scheme_end: usize) -> String {
                 }
                 None => out.push_str(userinfo),
             }
-            out.push_str(&authority[at..]);
+            out.push('@');
+            at + 1
         }
-        None => out.push_str(authority),
-    }
-    let tail = &rest[authority_end..];
+        None => 0,
+    };
+    let tail = &rest[after_credentials..];
     match tail.find('?') {
         Some(q) => {
             out.push_str(&tail[..=q]);
@@ -219,6 +226,27 @@ mod tests {
             "postgres://app:***@db:5432/shop?sslmode=require"
         );
         assert!(!format!("{d:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn passwords_holding_url_characters_and_urls_in_values_are_redacted() {
+        for (dsn, secret) in [
+            ("postgres://u:hun?ter2@db/shop", "hun?ter2"),
+            (
+                "postgres://u:hun/ter#2@db/shop?sslmode=require",
+                "hun/ter#2",
+            ),
+            (
+                "host=db password=hunter2 application_name=svc://x",
+                "hunter2",
+            ),
+        ] {
+            let shown = Dsn::new(dsn).to_string();
+            assert!(
+                !shown.contains(secret) && shown.contains(REDACTED),
+                "{shown}"
+            );
+        }
     }
 
     #[test]

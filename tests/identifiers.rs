@@ -23,14 +23,15 @@ const TABLES: [(&str, &str, &str, &str, &str); 5] = [
         "Id",
     ),
     (
-        "public.user",
+        // Spelt as SQL would: the same table as public.user.
+        r#""public"."user""#,
         r#"CREATE TABLE public."user" ("order" int PRIMARY KEY, "group" text, "v1.2" text)"#,
         "user",
         "public.user",
         "order",
     ),
     (
-        r#"public."x""; DROP TABLE public.victim; --""#,
+        r#""public"."x""; DROP TABLE public.victim; --""#,
         r#"CREATE TABLE public."x""; DROP TABLE public.victim; --" (
                "y'); DROP TABLE public.victim; --" int PRIMARY KEY,
                "z"" text); DROP TABLE public.victim; --" text)"#,
@@ -198,6 +199,16 @@ async fn hostile_names_are_captured_materialized_and_inject_nothing() {
     for (_, create, ..) in TABLES {
         source.batch_execute(create).await.expect(create);
     }
+    // A mirror as an older pgcdc made it: columns (the key among them)
+    // named by their Avro spelling. It is renamed in place.
+    target
+        .batch_execute(
+            r#"CREATE SCHEMA mirror;
+               CREATE TABLE mirror."表 1" ("__" int PRIMARY KEY, "_" text,
+                   _pgcdc_commit_lsn bigint NOT NULL, _pgcdc_seq bigint NOT NULL)"#,
+        )
+        .await
+        .expect("old mirror");
     write(&source, 1).await;
 
     let name = source_db.name.clone();
@@ -254,6 +265,21 @@ url = "{target}"
     let snapshot = support::pgcdc(&args);
     let (snapshot, ()) = tokio::join!(snapshot, write(&source, 3));
     assert_eq!(snapshot.code, 0, "{}", snapshot.all_output());
+    // "... completed at LSN X: <table> <n> rows in <m> chunks, ..."
+    let read = snapshot
+        .stdout
+        .split_once(": ")
+        .map(|(_, r)| r.trim().to_string())
+        .unwrap_or_default();
+    for t in [TABLES[0].0, TABLES[2].0] {
+        let spelt = pgcdc::config::canonical_table(t);
+        let rows = read
+            .split(", ")
+            .filter_map(|item| item.strip_prefix(&format!("{spelt} ")))
+            .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+            .next();
+        assert!(rows.unwrap_or(0) > 0, "{t}: no rows read in {read:?}");
+    }
     support::wait_caught_up(&source, &name).await;
     wait_mirrored(&source, &target).await;
 

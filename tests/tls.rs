@@ -97,6 +97,13 @@ fn make_certs(dir: &Path) -> Certs {
     }
 }
 
+/// pgwire-replication 0.5.0's verify-ca verifier forgives rustls'
+/// `NotValidForName` but not the `NotValidForNameContext` rustls 0.23.46
+/// reports, so on the replication connection verify-ca checks the host
+/// name as verify-full does. The day this is fixed upstream, this test
+/// fails: set it to false and drop the README's note.
+const REPLICATION_CHECKS_NAMES: bool = true;
+
 fn config(stack: &support::Stack, source: &str, target: &str, name: &str) -> String {
     format!(
         "{}[target]\nurl = \"{target}\"\n{}",
@@ -117,13 +124,26 @@ async fn postgres_connections_are_encrypted_and_verify_the_server() {
             &format!("ssl_cert_file = '{}'", certs.server_cert.display()),
             &format!("ssl_key_file = '{}'", certs.server_key.display()),
         ],
-        // TCP only with TLS; the test's own sessions use the Unix socket.
-        &[
-            "hostnossl all all 0.0.0.0/0 reject",
-            "hostssl all all 127.0.0.1/32 trust",
-            "hostssl replication all 127.0.0.1/32 trust",
-        ],
+        // The source takes TCP only with TLS (its walsender too); the target
+        // takes both, so that a plain session there would show. The test's
+        // own sessions use the Unix socket.
+        &["hostnossl tls_src all 0.0.0.0/0 reject"],
     );
+    let port = cluster.port;
+    let url = |host: &str, db: &str, params: String| {
+        format!("postgres://postgres@{host}:{port}/{db}?{params}")
+    };
+    // A reload is a signal: wait until the server speaks TLS.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let probe = pgcdc::secret::Dsn::new(url("localhost", "postgres", "sslmode=require".into()));
+    while let Err(e) = pgcdc::source::connect(&probe).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no TLS after reload: {}",
+            pgcdc::source::error_text(&e)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let admin = support::connect(&cluster.socket_url("postgres")).await;
     for db in ["tls_src", "tls_tgt"] {
         admin
@@ -134,14 +154,11 @@ async fn postgres_connections_are_encrypted_and_verify_the_server() {
     let source = support::connect(&cluster.socket_url("tls_src")).await;
     let target = support::connect(&cluster.socket_url("tls_tgt")).await;
     mat::seed(&source, 40, 200).await;
-    let port = cluster.port;
-    let url = |host: &str, db: &str, params: String| {
-        format!("postgres://postgres@{host}:{port}/{db}?{params}")
-    };
     let ca = format!("sslrootcert={}", certs.ca.display());
     let name = support::unique("tls");
 
-    // What `check` says of each mode, against this one server.
+    // What `check` says of each mode, for a SQL session and for the
+    // connector's replication connection, against this one server.
     let cases: [(&str, String, bool, &str); 8] = [
         (
             "localhost",
@@ -155,7 +172,8 @@ async fn postgres_connections_are_encrypted_and_verify_the_server() {
             true,
             "sslmode=verify-ca",
         ),
-        // verify-ca checks the chain only, so another name passes...
+        // verify-ca checks the chain only, so another name passes (on
+        // the SQL session; see `REPLICATION_CHECKS_NAMES`)...
         (
             "127.0.0.1",
             format!("sslmode=verify-ca&{ca}"),
@@ -201,13 +219,30 @@ async fn postgres_connections_are_encrypted_and_verify_the_server() {
         let dsn = url(host, "tls_src", params.clone());
         let file = ConfigFile::write(&config(&stack, &dsn, &dsn, &name));
         let run = support::pgcdc(&["check", "--config", file.arg()]).await;
+        for check in ["postgres.connect", "postgres.replication"] {
+            let line = run.check_line(check).unwrap_or_default();
+            let name_checked = check == "postgres.replication"
+                && REPLICATION_CHECKS_NAMES
+                && params.starts_with("sslmode=verify-ca")
+                && *host == "127.0.0.1";
+            let passes = *passes && !name_checked;
+            let status = if passes { "PASS" } else { "FAIL" };
+            let says = if name_checked {
+                "not valid for name"
+            } else if passes && check == "postgres.replication" {
+                "a replication connection opens"
+            } else {
+                says
+            };
+            assert!(
+                line.starts_with(status) && line.contains(says),
+                "{host} {params}: expected {check} {status} with {says:?}:\n{}",
+                run.all_output()
+            );
+        }
         let line = run.check_line("postgres.connect").unwrap_or_default();
         let status = if *passes { "PASS" } else { "FAIL" };
-        assert!(
-            line.starts_with(status) && line.contains(says),
-            "{host} {params}: expected {status} with {says:?}:\n{}",
-            run.all_output()
-        );
+        assert!(line.starts_with(status), "{line}");
         if *passes {
             assert!(line.contains("TLSv1."), "{line}");
         } else if says.contains("valid") || says.contains("Issuer") {
@@ -247,6 +282,7 @@ async fn postgres_connections_are_encrypted_and_verify_the_server() {
         target_sessions >= 1,
         "the materializer's session is not encrypted"
     );
+    // The target would take a plain session: none of pgcdc's is one.
     assert_eq!(plain, 0, "a TCP session without TLS");
     assert_eq!(connector.terminate().await, 0);
     let _ = materializer.kill().await;

@@ -390,7 +390,7 @@ impl Engine {
         output: &Output,
         content: &[u8],
     ) -> Result<bool, RunError> {
-        let signal: Signal = match serde_json::from_slice(content) {
+        let mut signal: Signal = match serde_json::from_slice(content) {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(error = %e, "an unreadable pgcdc signal was ignored");
@@ -399,6 +399,10 @@ impl Engine {
         };
         if signal.slot != self.config.source.slot || !self.known.insert(signal.id.clone()) {
             return Ok(false);
+        }
+        // A signal written by hand may spell a table another way.
+        for t in &mut signal.tables {
+            *t = crate::config::canonical_table(t);
         }
 
         // Outbox tables have no changelog topic to mark.

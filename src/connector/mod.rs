@@ -107,12 +107,9 @@ fn session_options() -> String {
         .join(" ")
 }
 
-fn replication_config(config: &Config) -> Result<ReplicationConfig, RunError> {
+/// The replication connection's settings (`pgcdc check` opens one too).
+pub(crate) fn replication_config(config: &Config) -> Result<ReplicationConfig, RunError> {
     let endpoint = source::tls::Endpoint::parse(&config.source.url)
-        .map_err(|e| RunError::Config(format!("source.url: {e}")))?;
-    let tls = endpoint
-        .tls
-        .replication()
         .map_err(|e| RunError::Config(format!("source.url: {e}")))?;
     let pg = endpoint.pg;
     let host = match pg.get_hosts().first() {
@@ -121,6 +118,10 @@ fn replication_config(config: &Config) -> Result<ReplicationConfig, RunError> {
         Some(tokio_postgres::config::Host::Unix(p)) => p.display().to_string(),
         None => "localhost".to_string(),
     };
+    let tls = endpoint
+        .tls
+        .replication(&host)
+        .map_err(|e| RunError::Config(format!("source.url: {e}")))?;
     let port = pg.get_ports().first().copied().unwrap_or(5432);
     let password = pg
         .get_password()
@@ -690,7 +691,10 @@ impl RunError {
             {
                 Fault::Untrusted
             }
-            RunError::Replication(W::Tls(_)) => Fault::Untrusted,
+            RunError::Replication(W::Tls(text)) if source::tls::refused_text(text) => {
+                Fault::Untrusted
+            }
+            RunError::Replication(W::Tls(_)) => Fault::Source { sqlstate: None },
             RunError::Postgres(e) | RunError::Slot(slot::SlotError::Postgres(e)) => Fault::Source {
                 sqlstate: e.code().map(|c| c.code()),
             },

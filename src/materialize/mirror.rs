@@ -101,6 +101,7 @@ impl Mirror {
                 key.join(", ")
             ))
             .await?;
+        self.rename_avro_spelt_columns(client).await?;
         for c in &self.columns {
             client
                 .batch_execute(&format!(
@@ -110,6 +111,48 @@ impl Mirror {
                     c.sql_type
                 ))
                 .await?;
+        }
+        Ok(())
+    }
+
+    /// Mirrors made before columns were named by `pgcdc.column` have the
+    /// Avro spelling (`Order_Id` for `Order Id`): rename such a column to
+    /// its source name, keeping its values, key and constraints.
+    async fn rename_avro_spelt_columns(
+        &self,
+        client: &impl GenericClient,
+    ) -> Result<(), tokio_postgres::Error> {
+        let spelt: Vec<(&str, String)> = self
+            .columns
+            .iter()
+            .map(|c| (c.name.as_str(), crate::encode::avro_name(&c.name)))
+            .filter(|(name, avro)| name != avro && !self.columns.iter().any(|c| &c.name == avro))
+            .collect();
+        if spelt.is_empty() {
+            return Ok(());
+        }
+        let existing: Vec<String> = client
+            .query(
+                "SELECT attname::text FROM pg_attribute
+                 WHERE attrelid = $1::text::regclass AND attnum > 0 AND NOT attisdropped",
+                &[&self.qualified],
+            )
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        for (name, avro) in spelt {
+            if existing.contains(&avro) && !existing.iter().any(|e| e == name) {
+                client
+                    .batch_execute(&format!(
+                        "ALTER TABLE {} RENAME COLUMN {} TO {}",
+                        self.qualified,
+                        quote_ident(&avro),
+                        quote_ident(name)
+                    ))
+                    .await?;
+                tracing::info!(mirror = %self.qualified, "renamed a column to its source name");
+            }
         }
         Ok(())
     }

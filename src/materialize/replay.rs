@@ -436,13 +436,29 @@ pub fn resolve(
     let mapped = (|| -> Result<(), String> {
         let mut w: Json = serde_json::from_str(writer).map_err(|e| e.to_string())?;
         let mut r: Json = serde_json::from_str(reader).map_err(|e| e.to_string())?;
-        for field in row_fields(&mut w) {
-            if let Some(to) = field["name"].as_str().and_then(|n| mapping.renames.get(n)) {
-                field["name"] = Json::String(to.clone());
-            }
+        // Mappings name source columns; Avro resolves by field name, so a
+        // renamed column takes the reader's field name for its new column.
+        let reader_field = |r: &mut Json, column: &str| {
+            row_fields(r)
+                .into_iter()
+                .find(|f| shape::column_name(f) == Some(column))
+                .and_then(|f| f["name"].as_str().map(String::from))
+        };
+        let renames: Vec<(usize, String)> = row_fields(&mut w)
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| {
+                let to = mapping.renames.get(shape::column_name(f)?)?;
+                let name = reader_field(&mut r, to).unwrap_or_else(|| crate::encode::avro_name(to));
+                Some((i, name))
+            })
+            .collect();
+        let mut fields = row_fields(&mut w);
+        for (i, name) in renames {
+            fields[i]["name"] = Json::String(name);
         }
         for field in row_fields(&mut r) {
-            if let Some(d) = field["name"].as_str().and_then(|n| mapping.defaults.get(n)) {
+            if let Some(d) = shape::column_name(field).and_then(|c| mapping.defaults.get(c)) {
                 field["default"] = avro_default(&field["type"], d);
             }
         }

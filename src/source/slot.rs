@@ -334,10 +334,130 @@ pub async fn uncovered_tables(
         .collect())
 }
 
-/// A `source.tables` entry as SQL spells it: `public."Orders"`.
+/// A `source.tables` entry as an operator would type it in SQL, quoted
+/// only where needed: `public.orders`, `public."Orders"`, `"user".t`. For
+/// the fixes we suggest; statements pgcdc runs quote every name.
 pub fn sql_table(table: &str) -> String {
+    // After the dot any keyword is a valid name; before it, not these.
+    const RESERVED: &[&str] = &[
+        "all",
+        "analyse",
+        "analyze",
+        "and",
+        "any",
+        "array",
+        "as",
+        "asc",
+        "asymmetric",
+        "authorization",
+        "binary",
+        "both",
+        "case",
+        "cast",
+        "check",
+        "collate",
+        "collation",
+        "column",
+        "concurrently",
+        "constraint",
+        "create",
+        "cross",
+        "current_catalog",
+        "current_date",
+        "current_role",
+        "current_schema",
+        "current_time",
+        "current_timestamp",
+        "current_user",
+        "default",
+        "deferrable",
+        "desc",
+        "distinct",
+        "do",
+        "else",
+        "end",
+        "except",
+        "false",
+        "fetch",
+        "for",
+        "foreign",
+        "freeze",
+        "from",
+        "full",
+        "grant",
+        "group",
+        "having",
+        "ilike",
+        "in",
+        "initially",
+        "inner",
+        "intersect",
+        "into",
+        "is",
+        "isnull",
+        "join",
+        "lateral",
+        "leading",
+        "left",
+        "like",
+        "limit",
+        "localtime",
+        "localtimestamp",
+        "natural",
+        "not",
+        "notnull",
+        "null",
+        "offset",
+        "on",
+        "only",
+        "or",
+        "order",
+        "outer",
+        "overlaps",
+        "placing",
+        "primary",
+        "references",
+        "returning",
+        "right",
+        "select",
+        "session_user",
+        "similar",
+        "some",
+        "symmetric",
+        "system_user",
+        "table",
+        "tablesample",
+        "then",
+        "to",
+        "trailing",
+        "true",
+        "union",
+        "unique",
+        "user",
+        "using",
+        "variadic",
+        "verbose",
+        "when",
+        "where",
+        "window",
+        "with",
+    ];
+    let plain = |p: &str| {
+        p.len() <= 63
+            && p.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+            && p.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+    };
     match split_table(table) {
-        Some((s, t)) => format!("{}.{}", quote_ident(&s), quote_ident(&t)),
+        Some((s, t)) => {
+            let schema = if plain(&s) && !RESERVED.contains(&s.as_str()) {
+                s
+            } else {
+                quote_ident(&s)
+            };
+            let table = if plain(&t) { t } else { quote_ident(&t) };
+            format!("{schema}.{table}")
+        }
         None => table.to_string(),
     }
 }
@@ -350,6 +470,18 @@ pub fn quote_ident(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn suggested_sql_quotes_only_what_needs_it() {
+        assert_eq!(sql_table("public.orders"), "public.orders");
+        assert_eq!(sql_table("public.Orders"), "public.\"Orders\"");
+        assert_eq!(sql_table("public.user"), "public.user");
+        assert_eq!(sql_table("user.orders"), "\"user\".orders");
+        assert_eq!(
+            sql_table(r#""Sales ""Dept""".Order Items"#),
+            r#""Sales ""Dept"""."Order Items""#
+        );
+    }
 
     #[test]
     fn identifiers_are_quoted_with_embedded_quotes_doubled() {

@@ -66,10 +66,6 @@ impl SslMode {
             SslMode::VerifyFull => "verify-full",
         }
     }
-
-    fn verifies(self) -> bool {
-        matches!(self, SslMode::VerifyCa | SslMode::VerifyFull)
-    }
 }
 
 /// Where the trusted CA certificates come from.
@@ -100,19 +96,19 @@ impl Endpoint {
     /// is left in place for tokio-postgres to refuse by name.
     pub fn parse(dsn: &Dsn) -> Result<Endpoint, tokio_postgres::Error> {
         let text = dsn.expose();
-        let params = if text.contains("://") {
+        let params = if is_url(text) {
             url_params(text)
         } else {
             key_value_params(text)
         };
-        let mut mode = SslMode::Prefer;
+        let mut mode = None;
         let mut root = None;
         let mut cut = Vec::new();
         for p in &params {
             match p.key.as_str() {
                 "sslmode" => {
                     if let Some(m) = SslMode::parse(&p.value) {
-                        mode = m;
+                        mode = Some(m);
                         cut.push(p.span.clone());
                     }
                 }
@@ -125,16 +121,22 @@ impl Endpoint {
         }
         let rest = remove_spans(text, &cut);
         let mut pg = tokio_postgres::Config::from_str(&rest)?;
-        pg.ssl_mode(match mode {
-            SslMode::Disable => WireMode::Disable,
-            SslMode::Prefer => WireMode::Prefer,
-            _ => WireMode::Require,
-        });
         let roots = match root.as_deref() {
             Some("system") => Roots::System,
             Some(path) => Roots::File(PathBuf::from(path)),
             None => Roots::File(default_root_file()),
         };
+        // libpq 16: the public roots make verify-full the default.
+        let mode = mode.unwrap_or(if roots == Roots::System {
+            SslMode::VerifyFull
+        } else {
+            SslMode::Prefer
+        });
+        pg.ssl_mode(match mode {
+            SslMode::Disable => WireMode::Disable,
+            SslMode::Prefer => WireMode::Prefer,
+            _ => WireMode::Require,
+        });
         Ok(Endpoint {
             pg,
             tls: Tls { mode, roots },
@@ -148,26 +150,60 @@ fn default_root_file() -> PathBuf {
     PathBuf::from(home).join(".postgresql").join("root.crt")
 }
 
+/// What of the server's certificate is checked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    Nothing,
+    Chain,
+    ChainAndName,
+}
+
 impl Tls {
+    /// What this mode checks. As in libpq, `require` checks the chain when
+    /// the CA file exists (an older libpq's way to ask for verification).
+    fn check(&self) -> Check {
+        match self.mode {
+            SslMode::VerifyFull => Check::ChainAndName,
+            SslMode::VerifyCa => Check::Chain,
+            SslMode::Require if matches!(&self.roots, Roots::File(p) if p.exists()) => Check::Chain,
+            _ => Check::Nothing,
+        }
+    }
+
+    /// A combination libpq refuses: the public roots with a weak mode
+    /// (anyone can get a publicly trusted certificate for some name).
+    pub fn conflict(&self) -> Option<TlsError> {
+        (self.roots == Roots::System && self.mode != SslMode::VerifyFull).then(|| {
+            TlsError(format!(
+                "sslmode={} may not be used with sslrootcert=system; use verify-full",
+                self.mode.as_str()
+            ))
+        })
+    }
+
     /// The rustls client configuration for this mode. Reads the CA file
-    /// only for the verifying modes.
+    /// only when the certificate is checked.
     pub fn client_config(&self) -> Result<ClientConfig, TlsError> {
+        if let Some(e) = self.conflict() {
+            return Err(e);
+        }
         let provider = Arc::new(crypto::ring::default_provider());
         let builder = ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map_err(|e| TlsError(format!("TLS setup: {e}")))?;
-        let verifier: Arc<dyn ServerCertVerifier> = if self.mode.verifies() {
+        let check = self.check();
+        let verifier: Arc<dyn ServerCertVerifier> = if check == Check::Nothing {
+            Arc::new(Unverified(provider))
+        } else {
             let roots = Arc::new(self.root_store()?);
             let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
                 .build()
                 .map_err(|e| TlsError(format!("sslrootcert: {e}")))?;
-            if self.mode == SslMode::VerifyFull {
+            if check == Check::ChainAndName {
                 webpki
             } else {
                 Arc::new(ChainOnly(webpki))
             }
-        } else {
-            Arc::new(Unverified(provider))
         };
         Ok(builder
             .dangerous()
@@ -211,9 +247,12 @@ impl Tls {
         Ok(roots)
     }
 
-    /// The same settings for the replication connection.
-    pub fn replication(&self) -> Result<pgwire_replication::TlsConfig, TlsError> {
+    /// The same settings for the replication connection to `host`.
+    pub fn replication(&self, host: &str) -> Result<pgwire_replication::TlsConfig, TlsError> {
         use pgwire_replication::TlsConfig;
+        if let Some(e) = self.conflict() {
+            return Err(e);
+        }
         let ca = || -> Result<Option<PathBuf>, TlsError> {
             // Read the file here too, so both connections refuse it alike.
             self.root_store()?;
@@ -222,15 +261,20 @@ impl Tls {
                 Roots::System => None,
             })
         };
-        Ok(match self.mode {
-            SslMode::Disable => TlsConfig::disabled(),
-            SslMode::Prefer => TlsConfig {
+        Ok(match (self.mode, self.check()) {
+            (SslMode::Disable, _) => TlsConfig::disabled(),
+            (SslMode::Prefer, _) => TlsConfig {
                 mode: pgwire_replication::SslMode::Prefer,
                 ..TlsConfig::require()
             },
-            SslMode::Require => TlsConfig::require(),
-            SslMode::VerifyCa => TlsConfig::verify_ca(ca()?),
-            SslMode::VerifyFull => TlsConfig::verify_full(ca()?),
+            (_, Check::Nothing) => TlsConfig::require(),
+            (_, Check::Chain) => TlsConfig::verify_ca(ca()?),
+            // pgwire wants an explicit name to check an IP address against;
+            // rustls then checks the certificate's IP names.
+            (_, Check::ChainAndName) if host.parse::<std::net::IpAddr>().is_ok() => {
+                TlsConfig::verify_full(ca()?).with_sni_hostname(host)
+            }
+            (_, Check::ChainAndName) => TlsConfig::verify_full(ca()?),
         })
     }
 
@@ -259,13 +303,27 @@ pub fn refused(e: &tokio_postgres::Error) -> bool {
         if [Some(c), inner]
             .into_iter()
             .flatten()
-            .any(|e| e.is::<TlsError>() || e.is::<rustls::Error>())
+            .any(|e| e.is::<TlsError>() || e.is::<rustls::Error>() || refused_text(&e.to_string()))
         {
             return true;
         }
         cause = c.source();
     }
     false
+}
+
+/// Whether an error text (pgwire-replication's, or a cause's) says TLS
+/// refused the server or could not be set up, rather than an I/O failure
+/// during the handshake: a retry would meet the same answer.
+pub fn refused_text(text: &str) -> bool {
+    [
+        "invalid peer certificate",
+        "TLS config error",
+        "does not support TLS",
+        "sslrootcert",
+    ]
+    .iter()
+    .any(|t| text.contains(t))
 }
 
 /// A TLS setup problem: the message names the connection-string parameter.
@@ -408,9 +466,21 @@ struct Param {
     span: std::ops::Range<usize>,
 }
 
+/// tokio-postgres' own test for the URL form.
+fn is_url(text: &str) -> bool {
+    text.starts_with("postgres://") || text.starts_with("postgresql://")
+}
+
+/// Where a URL's query string starts, read as tokio-postgres reads it:
+/// credentials end at the first `@`, and the query at the next `?`.
+fn query_start(url: &str) -> Option<usize> {
+    let after = url.find('@').map_or(0, |at| at + 1);
+    url[after..].find('?').map(|q| after + q)
+}
+
 /// The query parameters of a URL-form connection string.
 fn url_params(url: &str) -> Vec<Param> {
-    let Some(q) = url.find('?') else {
+    let Some(q) = query_start(url) else {
         return Vec::new();
     };
     let mut out = Vec::new();
@@ -505,8 +575,27 @@ fn key_value_params(text: &str) -> Vec<Param> {
     }
 }
 
-/// `text` without the given parameter spans (and a URL's dangling `&`/`?`).
+/// `text` without the given parameter spans; nothing else is touched.
 fn remove_spans(text: &str, spans: &[std::ops::Range<usize>]) -> String {
+    if spans.is_empty() {
+        return text.to_string();
+    }
+    if is_url(text) {
+        // The query rebuilt from the parameters kept.
+        let Some(q) = query_start(text) else {
+            return text.to_string();
+        };
+        let kept: Vec<&str> = url_params(text)
+            .into_iter()
+            .filter(|p| !spans.contains(&p.span))
+            .map(|p| &text[p.span])
+            .collect();
+        return if kept.is_empty() {
+            text[..q].to_string()
+        } else {
+            format!("{}?{}", &text[..q], kept.join("&"))
+        };
+    }
     let mut out = String::with_capacity(text.len());
     let mut at = 0;
     let mut sorted = spans.to_vec();
@@ -516,15 +605,6 @@ fn remove_spans(text: &str, spans: &[std::ops::Range<usize>]) -> String {
         at = s.end;
     }
     out.push_str(&text[at..]);
-    if out.contains("://") {
-        while out.contains("&&") {
-            out = out.replace("&&", "&");
-        }
-        out = out.replace("?&", "?");
-        while out.ends_with('&') || out.ends_with('?') {
-            out.pop();
-        }
-    }
     out
 }
 
@@ -557,7 +637,38 @@ mod tests {
         assert_eq!(e.pg.get_ssl_mode(), WireMode::Disable);
 
         let e = parse("postgres://db/shop?sslrootcert=system&sslmode=require");
-        assert_eq!((e.tls.mode, e.tls.roots), (SslMode::Require, Roots::System));
+        assert_eq!(
+            (e.tls.mode, &e.tls.roots),
+            (SslMode::Require, &Roots::System)
+        );
+        assert!(e.tls.conflict().is_some() && e.tls.client_config().is_err());
+        // libpq 16: the public roots default to verify-full.
+        let e = parse("host=db sslrootcert=system");
+        assert_eq!(e.tls.mode, SslMode::VerifyFull);
+        assert!(e.tls.conflict().is_none());
+    }
+
+    #[test]
+    fn the_rest_of_the_string_is_left_as_tokio_postgres_reads_it() {
+        // A key/value string whose value holds "://" is no URL.
+        let e = parse("host=db password=ab://cd sslmode=require");
+        assert_eq!(e.tls.mode, SslMode::Require);
+        assert_eq!(e.pg.get_password(), Some(&b"ab://cd"[..]));
+        // A '?' or "&&" in the password belongs to the credentials.
+        let e = parse("postgres://u:p?x@db/shop?sslmode=require&application_name=a");
+        assert_eq!(e.tls.mode, SslMode::Require);
+        assert_eq!(e.pg.get_password(), Some(&b"p?x"[..]));
+        assert_eq!(e.pg.get_application_name(), Some("a"));
+        let e = parse("postgres://u:a&&b@db/x?sslmode=disable");
+        assert_eq!(e.pg.get_password(), Some(&b"a&&b"[..]));
+        assert_eq!(e.tls.mode, SslMode::Disable);
+        let e = parse("postgres://u:a&&b@db/x?application_name=q");
+        assert_eq!(e.pg.get_password(), Some(&b"a&&b"[..]));
+        assert_eq!(e.pg.get_ssl_mode(), WireMode::Prefer);
+        // Spaces around '=' in the key/value form.
+        let e = parse("host=db sslmode = verify-ca  sslrootcert=/x.pem");
+        assert_eq!(e.tls.mode, SslMode::VerifyCa);
+        assert_eq!(e.pg.get_hosts().len(), 1);
     }
 
     #[test]
@@ -583,7 +694,8 @@ mod tests {
             e.0.contains("sslrootcert") && e.0.contains("/nonexistent/ca.pem"),
             "{e}"
         );
-        assert!(tls.replication().is_err());
+        assert!(refused_text(&e.0));
+        assert!(tls.replication("db").is_err());
         // Not verifying: the file is never read.
         let tls = Tls {
             mode: SslMode::Require,
@@ -603,6 +715,21 @@ mod tests {
             mode: SslMode::VerifyFull,
             roots: Roots::System,
         };
-        assert!(system.client_config().is_ok() && system.replication().is_ok());
+        assert!(system.client_config().is_ok() && system.replication("db").is_ok());
+        // An IP address is checked against the certificate's IP names.
+        let ip = system.replication("10.0.0.5").expect("ip");
+        assert_eq!(ip.sni_hostname.as_deref(), Some("10.0.0.5"));
+        assert_eq!(ip.mode, pgwire_replication::SslMode::VerifyFull);
+        // require with an existing CA file checks the chain, as libpq does.
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "x").expect("write");
+        let require = Tls {
+            mode: SslMode::Require,
+            roots: Roots::File(ca),
+        };
+        assert_eq!(require.check(), Check::Chain);
+        assert!(!refused_text(
+            "TLS handshake failed: connection reset by peer"
+        ));
     }
 }

@@ -383,9 +383,8 @@ impl ScratchCluster {
         std::fs::write(&hba_path, text).expect("write pg_hba.conf");
         let mut reload = as_postgres(&self.bindir.join("pg_ctl"));
         reload.arg("-D").arg(&data).arg("reload");
+        // A signal: the caller waits for what it changed to show.
         run_ok(reload, "reload scratch cluster");
-        // A reload is a signal: give the postmaster a moment to apply it.
-        std::thread::sleep(std::time::Duration::from_secs(1));
     }
 
     /// `pg_ctl restart -m fast`: every connection is closed, the cluster
