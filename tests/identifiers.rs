@@ -65,12 +65,6 @@ fn sql_name(table: &str) -> String {
     format!("{}.{}", quote(&schema), quote(&name))
 }
 
-/// A TOML literal string ('...' has no escapes, and no name here holds ').
-fn toml_literal(s: &str) -> String {
-    assert!(!s.contains('\''), "{s}");
-    format!("'{s}'")
-}
-
 /// Every row of a table as JSON text, in key order, every value as text.
 async fn rows(
     client: &tokio_postgres::Client,
@@ -212,30 +206,11 @@ async fn hostile_names_are_captured_materialized_and_inject_nothing() {
     write(&source, 1).await;
 
     let name = source_db.name.clone();
-    let tables = TABLES
-        .iter()
-        .map(|t| toml_literal(t.0))
-        .collect::<Vec<_>>()
-        .join(", ");
+    let tables: Vec<&str> = TABLES.iter().map(|t| t.0).collect();
     let config = ConfigFile::write(&format!(
-        r#"name = "{name}"
-[source]
-url = "{source}"
-slot = "{name}"
-publication = "{name}"
-tables = [{tables}]
-[kafka]
-brokers = "{brokers}"
-topic_prefix = "{name}"
-[registry]
-url = "{registry}"
-[target]
-url = "{target}"
-"#,
-        source = source_db.url,
-        target = target_db.url,
-        brokers = stack.brokers,
-        registry = stack.registry_url,
+        "{}[target]\nurl = \"{}\"\n",
+        support::pipeline_toml(&stack, &source_db.url, &name, &tables),
+        target_db.url
     ));
     let parsed = pgcdc::config::Config::load(&config.path).expect("config");
 

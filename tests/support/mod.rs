@@ -208,9 +208,17 @@ impl ConfigFile {
 
 /// The minimal connector definition for a source database and tables.
 pub fn pipeline_toml(stack: &Stack, source_url: &str, name: &str, tables: &[&str]) -> String {
+    // A literal string ('...', no escapes) for names holding quotes.
     let tables = tables
         .iter()
-        .map(|t| format!("\"{t}\""))
+        .map(|t| {
+            assert!(!t.contains('\''), "{t}");
+            if t.contains('"') {
+                format!("'{t}'")
+            } else {
+                format!("\"{t}\"")
+            }
+        })
         .collect::<Vec<_>>()
         .join(", ");
     format!(
