@@ -133,46 +133,84 @@ fn redact_url(url: &str, scheme_end: usize) -> String {
         }
         None => 0,
     };
-    let tail = &rest[after_credentials..];
-    match tail.find('?') {
-        Some(q) => {
-            out.push_str(&tail[..=q]);
-            let params: Vec<String> = tail[q + 1..]
-                .split('&')
-                .map(|pair| match pair.split_once('=') {
-                    Some((k, _)) if is_sensitive_key(k) => format!("{k}={REDACTED}"),
-                    _ => pair.to_string(),
-                })
-                .collect();
-            out.push_str(&params.join("&"));
-        }
-        None => out.push_str(tail),
-    }
+    // A query parameter without '=' has no value to hide.
+    let sensitive: Vec<Pair> = url_query_pairs(url)
+        .map(|(_, pairs)| pairs)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|p| p.assigned)
+        .collect();
+    out.push_str(&redact_values(
+        url,
+        rest_start + after_credentials,
+        &sensitive,
+    ));
     out
 }
 
 fn redact_key_value(dsn: &str) -> String {
-    // libpq grammar: `key = value` pairs separated by whitespace, where a
-    // value is either bare or single-quoted with backslash escapes.
+    redact_values(dsn, 0, &key_value_pairs(dsn))
+}
+
+/// `text` from `from` on, with the values of `pairs` whose key is
+/// sensitive replaced by [`REDACTED`].
+fn redact_values(text: &str, from: usize, pairs: &[Pair]) -> String {
+    let mut out = String::with_capacity(text.len() - from);
+    let mut at = from;
+    for p in pairs
+        .iter()
+        .filter(|p| is_sensitive_key(&text[p.key.clone()]))
+    {
+        out.push_str(&text[at..p.value.start]);
+        out.push_str(REDACTED);
+        at = p.value.end;
+    }
+    out.push_str(&text[at..]);
+    out
+}
+
+/// One `key=value` of a connection string, as byte ranges of its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Pair {
+    pub key: std::ops::Range<usize>,
+    /// The value as written (a quoted one with its quotes).
+    pub value: std::ops::Range<usize>,
+    /// Whether a `=` separates them, as libpq requires.
+    pub assigned: bool,
+}
+
+impl Pair {
+    /// The whole `key = value`.
+    pub fn span(&self) -> std::ops::Range<usize> {
+        self.key.start..self.value.end
+    }
+}
+
+/// The pairs of a key/value connection string by libpq's grammar: `key =
+/// value` separated by whitespace, a value bare or single-quoted with
+/// backslash escapes. Total: malformed text still falls into pairs, so
+/// redaction never leaves a value out.
+pub(crate) fn key_value_pairs(dsn: &str) -> Vec<Pair> {
     let bytes = dsn.as_bytes();
-    let mut out = String::with_capacity(dsn.len());
+    let mut pairs = Vec::new();
     let mut i = 0;
-    while i < bytes.len() {
-        let ws_start = i;
+    loop {
         while i < bytes.len() && bytes[i].is_ascii_whitespace() {
             i += 1;
         }
-        out.push_str(&dsn[ws_start..i]);
+        if i >= bytes.len() {
+            return pairs;
+        }
         let key_start = i;
         while i < bytes.len() && bytes[i] != b'=' && !bytes[i].is_ascii_whitespace() {
             i += 1;
         }
-        let key = &dsn[key_start..i];
-        let sep_start = i;
+        let key = key_start..i;
+        let mut assigned = false;
         while i < bytes.len() && (bytes[i] == b'=' || bytes[i].is_ascii_whitespace()) {
+            assigned |= bytes[i] == b'=';
             i += 1;
         }
-        let sep = &dsn[sep_start..i];
         let value_start = i;
         if i < bytes.len() && bytes[i] == b'\'' {
             i += 1;
@@ -185,15 +223,39 @@ fn redact_key_value(dsn: &str) -> String {
                 i += 1;
             }
         }
-        out.push_str(key);
-        out.push_str(sep);
-        if is_sensitive_key(key) {
-            out.push_str(REDACTED);
-        } else {
-            out.push_str(&dsn[value_start..i.min(dsn.len())]);
-        }
+        pairs.push(Pair {
+            key,
+            value: value_start..i.min(bytes.len()),
+            assigned,
+        });
     }
-    out
+}
+
+/// Where a URL's query starts (its `?`) and its `&`-separated pairs, read
+/// as tokio-postgres reads a URL: the credentials end at the first `@`, so
+/// a `?` in a password starts no query.
+pub(crate) fn url_query_pairs(url: &str) -> Option<(usize, Vec<Pair>)> {
+    let after = url.find('@').map_or(0, |at| at + 1);
+    let q = after + url[after..].find('?')?;
+    let mut pairs = Vec::new();
+    let mut start = q + 1;
+    for part in url[q + 1..].split('&') {
+        let end = start + part.len();
+        pairs.push(match part.find('=') {
+            Some(eq) => Pair {
+                key: start..start + eq,
+                value: start + eq + 1..end,
+                assigned: true,
+            },
+            None => Pair {
+                key: start..end,
+                value: end..end,
+                assigned: false,
+            },
+        });
+        start = end + 1;
+    }
+    Some((q, pairs))
 }
 
 /// Whether a configuration key names a secret (Postgres, librdkafka or HTTP).
@@ -246,6 +308,18 @@ mod tests {
                 !shown.contains(secret) && shown.contains(REDACTED),
                 "{shown}"
             );
+        }
+    }
+
+    #[test]
+    fn malformed_key_value_strings_still_hide_their_passwords() {
+        for dsn in [
+            "host=db password hunter2",
+            "password='hunter2",
+            "=x password = hunter2 ==",
+        ] {
+            let shown = Dsn::new(dsn).to_string();
+            assert!(!shown.contains("hunter2"), "{dsn} -> {shown}");
         }
     }
 

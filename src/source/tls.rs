@@ -471,32 +471,18 @@ fn is_url(text: &str) -> bool {
     text.starts_with("postgres://") || text.starts_with("postgresql://")
 }
 
-/// Where a URL's query string starts, read as tokio-postgres reads it:
-/// credentials end at the first `@`, and the query at the next `?`.
-fn query_start(url: &str) -> Option<usize> {
-    let after = url.find('@').map_or(0, |at| at + 1);
-    url[after..].find('?').map(|q| after + q)
-}
-
-/// The query parameters of a URL-form connection string.
+/// The `key=value` query parameters of a URL-form connection string.
 fn url_params(url: &str) -> Vec<Param> {
-    let Some(q) = query_start(url) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    let mut start = q + 1;
-    for part in url[q + 1..].split('&') {
-        let end = start + part.len();
-        if let Some((k, v)) = part.split_once('=') {
-            out.push(Param {
-                key: percent_decode(k),
-                value: percent_decode(v),
-                span: start..end,
-            });
-        }
-        start = end + 1;
-    }
-    out
+    let pairs = crate::secret::url_query_pairs(url).map_or_else(Vec::new, |(_, p)| p);
+    pairs
+        .into_iter()
+        .filter(|p| p.assigned)
+        .map(|p| Param {
+            key: percent_decode(&url[p.key.clone()]),
+            value: percent_decode(&url[p.value.clone()]),
+            span: p.span(),
+        })
+        .collect()
 }
 
 fn percent_decode(s: &str) -> String {
@@ -518,61 +504,38 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The parameters of a key/value connection string, by libpq's rules:
-/// `key = value`, values single-quoted or bare, `\` escaping.
+/// The parameters of a key/value connection string (libpq's grammar, in
+/// [`crate::secret::key_value_pairs`]), values unquoted and unescaped.
 fn key_value_params(text: &str) -> Vec<Param> {
-    let b = text.as_bytes();
-    let mut out = Vec::new();
-    let mut i = 0;
-    let skip_ws = |mut i: usize| {
-        while i < b.len() && b[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        i
-    };
-    loop {
-        i = skip_ws(i);
-        if i >= b.len() {
-            return out;
-        }
-        let start = i;
-        while i < b.len() && b[i] != b'=' && !b[i].is_ascii_whitespace() {
-            i += 1;
-        }
-        let key = text[start..i].to_string();
-        i = skip_ws(i);
-        if i >= b.len() || b[i] != b'=' {
-            // Malformed: tokio-postgres will say so.
-            return out;
-        }
-        i = skip_ws(i + 1);
-        let mut value = Vec::new();
-        if i < b.len() && b[i] == b'\'' {
-            i += 1;
-            while i < b.len() && b[i] != b'\'' {
-                if b[i] == b'\\' && i + 1 < b.len() {
-                    i += 1;
-                }
-                value.push(b[i]);
-                i += 1;
+    crate::secret::key_value_pairs(text)
+        .into_iter()
+        .filter(|p| p.assigned)
+        .map(|p| {
+            let raw = &text[p.value.clone()];
+            let quoted = raw
+                .strip_prefix('\'')
+                .map(|r| r.strip_suffix('\'').unwrap_or(r));
+            Param {
+                key: text[p.key.clone()].to_string(),
+                value: unescape(quoted.unwrap_or(raw)),
+                span: p.span(),
             }
-            i += 1;
+        })
+        .collect()
+}
+
+/// libpq's backslash escapes: `\x` is `x`.
+fn unescape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        out.push(if c == '\\' {
+            chars.next().unwrap_or(c)
         } else {
-            while i < b.len() && !b[i].is_ascii_whitespace() {
-                if b[i] == b'\\' && i + 1 < b.len() {
-                    i += 1;
-                }
-                value.push(b[i]);
-                i += 1;
-            }
-        }
-        let end = i.min(b.len());
-        out.push(Param {
-            key,
-            value: String::from_utf8_lossy(&value).into_owned(),
-            span: start..end,
+            c
         });
     }
+    out
 }
 
 /// `text` without the given parameter spans; nothing else is touched.
@@ -582,7 +545,7 @@ fn remove_spans(text: &str, spans: &[std::ops::Range<usize>]) -> String {
     }
     if is_url(text) {
         // The query rebuilt from the parameters kept.
-        let Some(q) = query_start(text) else {
+        let Some((q, _)) = crate::secret::url_query_pairs(text) else {
             return text.to_string();
         };
         let kept: Vec<&str> = url_params(text)
