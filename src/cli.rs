@@ -665,8 +665,21 @@ async fn run(args: &RunArgs) -> Result<u8, Failure> {
     if let Some(addr) = args.metrics_addr {
         crate::observe::install(addr).map_err(Failure)?;
     }
-    crate::connector::run(config).await?;
+    on_worker(crate::connector::run(config)).await??;
     Ok(exit::OK)
+}
+
+/// Runs a pipeline on a runtime worker rather than the main thread: a task
+/// woken by another task of its worker runs at once, while waking the main
+/// thread costs a futex round trip per replication event.
+async fn on_worker<T: Send + 'static>(
+    pipeline: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<T, Failure> {
+    match tokio::spawn(pipeline).await {
+        Ok(outcome) => Ok(outcome),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(Failure(format!("the pipeline task stopped: {e}"))),
+    }
 }
 
 async fn materialize(args: &RunArgs) -> Result<u8, Failure> {
@@ -674,7 +687,7 @@ async fn materialize(args: &RunArgs) -> Result<u8, Failure> {
     if let Some(addr) = args.metrics_addr {
         crate::observe::install(addr).map_err(Failure)?;
     }
-    crate::materialize::run(config).await?;
+    on_worker(crate::materialize::run(config)).await??;
     Ok(exit::OK)
 }
 

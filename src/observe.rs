@@ -87,6 +87,46 @@ pub const DLQ_WARNINGS: &str = "pgcdc_dlq_health_warnings";
 /// Messages a policy replayed or archived, by policy and action.
 pub const DLQ_POLICY_ACTIONS: &str = "pgcdc_dlq_policy_actions_total";
 
+/// A table's event counters ([`EVENTS`] by op, [`EVENT_BYTES`]), each
+/// registered at its first use and then kept: a labelled look-up per event
+/// costs more than encoding the event.
+#[derive(Debug)]
+pub struct TableMeters {
+    table: String,
+    events: [std::sync::OnceLock<metrics::Counter>; 5],
+    bytes: std::sync::OnceLock<metrics::Counter>,
+}
+
+impl TableMeters {
+    pub fn new(table: &str) -> TableMeters {
+        TableMeters {
+            table: table.to_string(),
+            events: Default::default(),
+            bytes: Default::default(),
+        }
+    }
+
+    /// One event of `op` with a payload of `bytes`.
+    pub fn event(&self, op: crate::encode::Op, bytes: usize) {
+        use crate::encode::Op;
+        let slot = match op {
+            Op::Create => 0,
+            Op::Update => 1,
+            Op::Delete => 2,
+            Op::Read => 3,
+            Op::Truncate => 4,
+        };
+        self.events[slot]
+            .get_or_init(
+                || metrics::counter!(EVENTS, "table" => self.table.clone(), "op" => op.code()),
+            )
+            .increment(1);
+        self.bytes
+            .get_or_init(|| metrics::counter!(EVENT_BYTES, "table" => self.table.clone()))
+            .increment(bytes as u64);
+    }
+}
+
 /// Serves `/metrics` on `addr`.
 pub fn install(addr: SocketAddr) -> Result<(), String> {
     metrics_exporter_prometheus::PrometheusBuilder::new()

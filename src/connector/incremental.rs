@@ -564,7 +564,7 @@ impl Engine {
         let Some(watch) = self.watch.as_mut() else {
             return;
         };
-        if codec.desc.qualified() != watch.table {
+        if codec.table != watch.table {
             return;
         }
         let key: Vec<Vec<u8>> = key_indices(&codec.desc)

@@ -180,6 +180,7 @@ impl Output {
         // Routed to domain-event topics: no changelog subjects, but every
         // column the routing names must exist.
         if let Some(o) = self.config.outbox.get(&table) {
+            codec.outbox = true;
             let named = [
                 ("route_by", &o.route_by),
                 ("key", &o.key),
@@ -240,11 +241,13 @@ impl Output {
         after: Option<&[Input<'_>]>,
         src: &SourceInfo<'_>,
     ) -> Result<(), RunError> {
-        let table = codec.desc.qualified();
-        if let Some(outbox) = self.config.outbox.get(&table) {
-            return self.route(codec, outbox, op, after, src).await;
+        let table = &codec.table;
+        if codec.outbox {
+            if let Some(outbox) = self.config.outbox.get(table) {
+                return self.route(codec, outbox, op, after, src).await;
+            }
         }
-        let topic = self.config.topic_for(&table);
+        let topic = &codec.topic;
         let encode_err = |source| RunError::Encode {
             table: table.clone(),
             lsn: Lsn(src.lsn),
@@ -269,7 +272,7 @@ impl Output {
                 let payload = unencodable_payload(codec, op, before, after, src);
                 return self
                     .quarantine(
-                        &topic,
+                        topic,
                         op,
                         Rejected {
                             class,
@@ -293,7 +296,7 @@ impl Output {
                 );
                 return self
                     .quarantine(
-                        &topic,
+                        topic,
                         op,
                         Rejected {
                             class,
@@ -307,17 +310,14 @@ impl Output {
                     .await;
             }
         }
-        metrics::counter!(observe::EVENTS, "table" => table.clone(), "op" => op.code())
-            .increment(1);
-        metrics::counter!(observe::EVENT_BYTES, "table" => table.clone())
-            .increment(value.len() as u64);
+        codec.meters.event(op, value.len());
         let f = self
             .producer
-            .send(&topic, key.as_deref(), Some(&value))
+            .send(topic, key.as_deref(), Some(&value))
             .await?;
         self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         if op == Op::Delete && key.is_some() {
-            let f = self.producer.send(&topic, key.as_deref(), None).await?;
+            let f = self.producer.send(topic, key.as_deref(), None).await?;
             self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         }
         Ok(())
@@ -1681,7 +1681,7 @@ async fn stream(
                                 .table_order
                                 .iter()
                                 .map(|(oid, n)| {
-                                    let table = codecs.get(oid).map(|c| c.desc.qualified()).unwrap_or_else(|| oid.to_string());
+                                    let table = codecs.get(oid).map(|c| c.table.clone()).unwrap_or_else(|| oid.to_string());
                                     (format!("{}.{table}", output.config.kafka.topic_prefix), *n)
                                 })
                                 .collect();
@@ -1893,7 +1893,7 @@ async fn on_message(
             Message::Update { old, new, .. } => {
                 let new_in = inputs(new);
                 // An outbox row's update is no event, key change or not.
-                if output.config.outbox.contains_key(&codec.desc.qualified()) {
+                if codec.outbox {
                     output
                         .emit(codec, Op::Update, None, Some(&new_in), &src)
                         .await?;
@@ -1940,7 +1940,7 @@ async fn on_message(
             }
             Message::Truncate { .. } => {
                 output.emit(codec, Op::Truncate, None, None, &src).await?;
-                snapshots.saw_truncate(&codec.desc.qualified(), txn.xid);
+                snapshots.saw_truncate(&codec.table, txn.xid);
             }
             _ => {}
         }
