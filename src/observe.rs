@@ -13,6 +13,12 @@ pub const EVENTS: &str = "pgcdc_events_total";
 pub const EVENT_BYTES: &str = "pgcdc_event_bytes_total";
 /// Snapshot rows copied, by `table`.
 pub const SNAPSHOT_ROWS: &str = "pgcdc_snapshot_rows_total";
+/// Seconds from a source transaction's commit to Kafka's acknowledgement
+/// of its last event (a summary: p50, p99, max over a sliding minute).
+pub const COMMIT_TO_ACK: &str = "pgcdc_commit_to_ack_seconds";
+/// Seconds from a source transaction's commit to the target commit that
+/// made its change visible in the mirrors and read models.
+pub const COMMIT_TO_VIEW: &str = "pgcdc_materialize_commit_to_view_seconds";
 /// The LSN confirmed to Postgres (as a number).
 pub const CONFIRMED_LSN: &str = "pgcdc_confirmed_lsn";
 /// Current WAL position minus the confirmed LSN, in bytes.
@@ -127,6 +133,13 @@ impl TableMeters {
     }
 }
 
+/// Microseconds since the Unix epoch.
+pub fn now_us() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as i64)
+}
+
 /// Serves `/metrics` on `addr`.
 pub fn install(addr: SocketAddr) -> Result<(), String> {
     metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -142,6 +155,16 @@ fn describe() {
     metrics::describe_counter!(EVENTS, "Change events produced, by table and op");
     metrics::describe_counter!(EVENT_BYTES, "Bytes of Avro payload produced, by table");
     metrics::describe_counter!(SNAPSHOT_ROWS, "Snapshot rows copied, by table");
+    metrics::describe_histogram!(
+        COMMIT_TO_ACK,
+        metrics::Unit::Seconds,
+        "Source commit to Kafka acknowledgement of the transaction's last event"
+    );
+    metrics::describe_histogram!(
+        COMMIT_TO_VIEW,
+        metrics::Unit::Seconds,
+        "Source commit to the target commit that made the change visible"
+    );
     metrics::describe_gauge!(CONFIRMED_LSN, "LSN confirmed to Postgres");
     metrics::describe_gauge!(REPLICATION_LAG_BYTES, "WAL bytes not yet confirmed");
     metrics::describe_counter!(KAFKA_DELIVERY_ERRORS, "Messages Kafka refused");

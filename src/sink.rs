@@ -594,8 +594,9 @@ async fn send(
 enum Pending {
     Delivery(DeliveryFuture),
     /// Everything before this entry belongs to transactions ending at or
-    /// before this LSN.
-    Release(u64),
+    /// before this LSN; with the source commit times (Unix µs) of the
+    /// transactions it completes, for the commit-to-ack latency.
+    Release(u64, Vec<i64>),
 }
 
 /// Ordered acknowledgement tracking (see the module guarantee).
@@ -610,7 +611,7 @@ impl std::fmt::Debug for Pending {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Pending::Delivery(_) => f.write_str("Delivery"),
-            Pending::Release(l) => write!(f, "Release({l})"),
+            Pending::Release(l, _) => write!(f, "Release({l})"),
         }
     }
 }
@@ -637,7 +638,7 @@ impl Acks {
                             return;
                         }
                     },
-                    Pending::Release(lsn) => {
+                    Pending::Release(lsn, committed) => {
                         confirmed_tx.send_if_modified(|c| {
                             let moved = lsn > *c;
                             if moved {
@@ -645,6 +646,13 @@ impl Acks {
                             }
                             moved
                         });
+                        if !committed.is_empty() {
+                            let now = crate::observe::now_us();
+                            let latency = metrics::histogram!(crate::observe::COMMIT_TO_ACK);
+                            for at in committed {
+                                latency.record((now - at).max(0) as f64 / 1e6);
+                            }
+                        }
                     }
                 }
             }
@@ -666,8 +674,15 @@ impl Acks {
 
     /// Marks that everything tracked so far completes `lsn`.
     pub async fn release(&self, lsn: u64) -> Result<(), String> {
+        self.release_committed(lsn, Vec::new()).await
+    }
+
+    /// [`Acks::release`] for source transactions committed at `committed`
+    /// (Unix µs): once acknowledged, their commit-to-ack latency is
+    /// recorded.
+    pub async fn release_committed(&self, lsn: u64, committed: Vec<i64>) -> Result<(), String> {
         self.tx
-            .send(Pending::Release(lsn))
+            .send(Pending::Release(lsn, committed))
             .await
             .map_err(|_| self.failure())
     }

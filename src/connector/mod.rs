@@ -678,6 +678,11 @@ fn pg_time_to_ms(micros: i64) -> i64 {
     micros / 1000 + 946_684_800_000
 }
 
+/// Postgres time (µs since 2000-01-01) as Unix µs.
+fn pg_time_to_us(micros: i64) -> i64 {
+    micros + 946_684_800_000_000
+}
+
 /// Runs the connector until SIGINT/SIGTERM or an error.
 impl RunError {
     /// What the connector does with this error: retry after a backoff (an
@@ -1476,6 +1481,8 @@ struct Txn {
     commit_lsn: u64,
     xid: u32,
     ts_ms: i64,
+    /// The commit time in Unix µs.
+    committed_us: i64,
     seq: u64,
     table_order: HashMap<u32, u64>,
     /// Kafka already holds this transaction (exactly-once resume).
@@ -1513,6 +1520,9 @@ struct Release {
     newest: Option<(u64, u64)>,
     /// Exactly once: the highest boundary waiting for the commit.
     waiting: u64,
+    /// Commit times (Unix µs) of the source transactions completed since
+    /// the last release: their commit-to-ack latency is recorded on it.
+    committed: Vec<i64>,
 }
 
 impl Release {
@@ -1524,19 +1534,27 @@ impl Release {
             since: None,
             newest: None,
             waiting: 0,
+            committed: Vec::new(),
         }
     }
 
     async fn release(&mut self, output: &Output, lsn: u64) -> Result<(), RunError> {
         if lsn > self.released {
             self.released = lsn;
-            output.acks.release(lsn).await.map_err(RunError::Delivery)?;
+            let committed = std::mem::take(&mut self.committed);
+            output
+                .acks
+                .release_committed(lsn, committed)
+                .await
+                .map_err(RunError::Delivery)?;
         }
         Ok(())
     }
 
-    /// A source transaction whose events were all produced.
-    fn completed(&mut self, commit_lsn: u64, end_lsn: u64) {
+    /// A source transaction (committed at `committed_us`, Unix µs) whose
+    /// events were all produced.
+    fn completed(&mut self, commit_lsn: u64, end_lsn: u64, committed_us: i64) {
+        self.committed.push(committed_us);
         self.newest = Some((commit_lsn, end_lsn));
         self.since.get_or_insert_with(std::time::Instant::now);
     }
@@ -1671,6 +1689,7 @@ async fn stream(
                             commit_lsn: final_lsn.as_u64(),
                             xid,
                             ts_ms: pg_time_to_ms(commit_time_micros),
+                            committed_us: pg_time_to_us(commit_time_micros),
                             skip,
                             ..Txn::default()
                         });
@@ -1693,7 +1712,7 @@ async fn stream(
                                     .map_err(|source| RunError::Encode { table: transaction_topic(&output.config), lsn: Lsn(t.commit_lsn), source })?;
                                 output.emit_transaction(&k, &v).await?;
                             }
-                            release.completed(t.commit_lsn, end_lsn.as_u64());
+                            release.completed(t.commit_lsn, end_lsn.as_u64(), t.committed_us);
                         }
                         release.boundary(output, end_lsn.as_u64()).await?;
                     }

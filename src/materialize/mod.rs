@@ -180,6 +180,9 @@ struct Change {
     /// A column whose writer type the mirror's type may not take: a value
     /// the target refuses is then the schema's fault, not the value's.
     mismatch: Option<String>,
+    /// The source commit time (`source.ts_ms`), for the commit-to-view
+    /// latency.
+    committed_ms: Option<i64>,
 }
 
 struct State {
@@ -458,21 +461,21 @@ impl State {
             Some(Value::String(s)) => s.clone(),
             other => return Err(bad(format!("op: {other:?}"))),
         };
-        let position = match get("source") {
+        let source_long = |name: &str| match get("source") {
             Some(Value::Record(src)) => {
-                let f = |name: &str| {
-                    src.iter()
-                        .find(|(n, _)| n == name)
-                        .and_then(|(_, v)| match v {
-                            Value::Long(n) => Some(*n),
-                            _ => None,
-                        })
-                };
-                f("commit_lsn").zip(f("seq"))
+                src.iter()
+                    .find(|(n, _)| n == name)
+                    .and_then(|(_, v)| match v {
+                        Value::Long(n) => Some(*n),
+                        _ => None,
+                    })
             }
             _ => None,
-        }
-        .ok_or_else(|| bad("source.commit_lsn/seq missing".into()))?;
+        };
+        let position = source_long("commit_lsn")
+            .zip(source_long("seq"))
+            .ok_or_else(|| bad("source.commit_lsn/seq missing".into()))?;
+        let committed_ms = source_long("ts_ms");
         let mirror = self
             .mirrors
             .get(topic)
@@ -539,11 +542,12 @@ impl State {
                 .columns
                 .iter()
                 .map(|c| {
-                    let name = writer_name(&c.name);
-                    let avro = field_of(&name).and_then(|f| f["name"].as_str());
+                    let field = field_of(&writer_name(&c.name));
+                    let avro = field.and_then(|f| f["name"].as_str());
                     match row.iter().find(|(n, _)| Some(n.as_str()) == avro) {
                         Some((_, v)) => {
-                            shape::cell(v, &field_schema(&name), &w.names).map_err(|e| Failure {
+                            let schema = field.map_or(&Json::Null, |f| &f["type"]);
+                            shape::cell(v, schema, &w.names).map_err(|e| Failure {
                                 class: value_class(&c.name),
                                 error: format!("{}.{}: {e}", mirror.source, c.name),
                                 position: Some(position),
@@ -593,6 +597,7 @@ impl State {
             cache_key: mirror.cache_key(&key),
             key,
             mismatch,
+            committed_ms,
         })
     }
 }
@@ -1346,6 +1351,13 @@ async fn apply_batch(
     // Keys of what was dead-lettered (durable by now), decodable or not.
     remember(state, dead.iter().map(|(i, f)| (&batch[*i], f.class)));
     state.fast.committed(&done.committed).await?;
+    let now = crate::connector::now_ms();
+    let latency = metrics::histogram!(observe::COMMIT_TO_VIEW);
+    for (i, c) in &changes {
+        if let Some(at) = c.committed_ms.filter(|_| !dead.iter().any(|(j, _)| j == i)) {
+            latency.record((now - at).max(0) as f64 / 1e3);
+        }
+    }
     metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
     metrics::counter!(observe::MATERIALIZE_BLOOM_SKIPS).increment(done.bloom_skips);
     metrics::counter!(observe::MATERIALIZE_APPLIED).increment(done.applied);
