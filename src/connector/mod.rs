@@ -667,10 +667,7 @@ fn column_list(desc: &TableDesc) -> String {
 }
 
 pub(crate) fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or_default()
+    observe::now_us() / 1000
 }
 
 /// Microseconds since 2000-01-01 (Postgres epoch) to milliseconds since 1970.

@@ -472,15 +472,11 @@ impl TableCodec {
 /// formatted without an allocation per event.
 struct Text {
     buf: [u8; 64],
-    len: usize,
 }
 
 impl Default for Text {
     fn default() -> Text {
-        Text {
-            buf: [0; 64],
-            len: 0,
-        }
+        Text { buf: [0; 64] }
     }
 }
 
@@ -490,8 +486,8 @@ impl Text {
         let mut cursor = std::io::Cursor::new(&mut self.buf[..]);
         // Two u64 and a few characters: always fit.
         let _ = cursor.write_fmt(args);
-        self.len = cursor.position() as usize;
-        std::str::from_utf8(&self.buf[..self.len]).unwrap_or_default()
+        let len = cursor.position() as usize;
+        std::str::from_utf8(&self.buf[..len]).unwrap_or_default()
     }
 }
 
