@@ -936,6 +936,65 @@ async fn a_one_million_row_transaction_streams_with_bounded_memory() {
 }
 
 #[tokio::test]
+async fn a_connector_stopped_during_its_initial_snapshot_exits_at_once_and_takes_it_again() {
+    const ROWS: i64 = 400_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_snapstop").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.big (id bigint PRIMARY KEY, v text NOT NULL);
+             INSERT INTO public.big SELECT g, md5(g::text) FROM generate_series(1, {ROWS}) g"
+        ))
+        .await
+        .expect("table");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.big"]);
+    let config = ConfigFile::write(&toml);
+    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let topic = format!("{}.public.big", db.name);
+    let produced = |parsed: pgcdc::config::Config, topic: String| async move {
+        pgcdc::snapshot_marker::end_offsets(&parsed.kafka, &[topic])
+            .await
+            .map(|o| o.values().flat_map(|p| p.values()).sum::<i64>())
+            .unwrap_or(0)
+    };
+
+    let connector = ConnectorProcess::start(&config);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while produced(parsed.clone(), topic.clone()).await < 1000 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the snapshot produced nothing"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let asked = std::time::Instant::now();
+    assert_eq!(connector.terminate().await, 0);
+    let took = asked.elapsed();
+    // Before the fix it stopped only once the snapshot was done.
+    assert!(
+        took < Duration::from_secs(5),
+        "stopping during the snapshot took {took:?}"
+    );
+    // Stopped inside the snapshot, not after it.
+    let marker = support::initial_marker(&parsed).await;
+    assert_eq!(
+        marker.phase,
+        pgcdc::snapshot_marker::Phase::Started,
+        "the snapshot finished before the stop arrived; make the table bigger"
+    );
+
+    // The next start takes the whole snapshot again.
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    let marker = support::initial_marker(&parsed).await;
+    assert_eq!(marker.rows.get("public.big"), Some(&(ROWS as u64)));
+    assert!(produced(parsed.clone(), topic.clone()).await >= ROWS);
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
+
+#[tokio::test]
 async fn a_frozen_broker_stalls_the_slot_with_a_warning_and_nothing_is_lost() {
     let stack = support::stack();
     let broker = support::PrivateBroker::start(&stack);

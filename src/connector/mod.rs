@@ -765,6 +765,73 @@ pub async fn run(config: Config) -> Result<(), RunError> {
 }
 
 async fn run_once(config: Arc<Config>, shutdown: &mut crate::Shutdown) -> Result<(), RunError> {
+    // Nothing start-up wrote is confirmed yet, so a stop there needs no
+    // drain: an interrupted snapshot is taken again at the next start (its
+    // marker still says `started`), and an open Kafka transaction is fenced
+    // by the next producer of the same transactional id.
+    let Ready {
+        sql,
+        output,
+        mut repl,
+        codecs,
+        snapshots,
+        resume_commit,
+    } = tokio::select! {
+        biased;
+        _ = shutdown.requested() => {
+            tracing::info!("stopped before streaming began; nothing was confirmed");
+            return Ok(());
+        }
+        ready = prepare(config.clone()) => ready?,
+    };
+    let last = stream(
+        &output,
+        &mut repl,
+        &sql,
+        codecs,
+        snapshots,
+        resume_commit,
+        shutdown,
+    )
+    .await;
+    let last = match last {
+        Ok(l) => l,
+        Err(e) => {
+            repl.abort();
+            // Readers must not wait for the broker's transaction timeout.
+            let _ = output.producer.abort().await;
+            return Err(e);
+        }
+    };
+    // Drain what is in flight, then make the final position durable.
+    let Output { acks, producer, .. } = output;
+    let acks = Arc::try_unwrap(acks).map_err(|_| RunError::Delivery("acks still shared".into()))?;
+    let confirmed = acks.drain(last).await.map_err(RunError::Delivery)?;
+    // Exactly once, stopped inside a source transaction: its part in Kafka
+    // is aborted (after delivery, so nothing is purged) and the slot
+    // replays the whole transaction.
+    producer.abort().await?;
+    repl.update_applied_lsn(WireLsn(confirmed));
+    let _ = repl.shutdown().await;
+    advance_slot(&sql, &config.source.slot, confirmed).await;
+    tracing::info!(confirmed = %Lsn(confirmed), "stopped");
+    Ok(())
+}
+
+/// What streaming starts from.
+struct Ready {
+    sql: Client,
+    output: Output,
+    repl: ReplicationClient,
+    codecs: HashMap<u32, TableCodec>,
+    snapshots: incremental::Engine,
+    /// Transactions committed at or before it are in Kafka already.
+    resume_commit: u64,
+}
+
+/// Start-up: publication, topics, the slot, the initial snapshot of a new
+/// slot, then the replication stream started from the slot's position.
+async fn prepare(config: Arc<Config>) -> Result<Ready, RunError> {
     let sql = source::connect(&config.source.url).await?;
     slot::ensure_publication(&sql, &config).await?;
     let topics: Vec<String> = config
@@ -972,38 +1039,14 @@ async fn run_once(config: Arc<Config>, shutdown: &mut crate::Shutdown) -> Result
     repl.wait_started().await?;
     tracing::info!(slot = %config.source.slot, "streaming");
     let resume_commit = resume.as_ref().map_or(0, Offset::commit);
-    let last = stream(
-        &output,
-        &mut repl,
-        &sql,
+    Ok(Ready {
+        sql,
+        output,
+        repl,
         codecs,
         snapshots,
         resume_commit,
-        shutdown,
-    )
-    .await;
-    let last = match last {
-        Ok(l) => l,
-        Err(e) => {
-            repl.abort();
-            // Readers must not wait for the broker's transaction timeout.
-            let _ = output.producer.abort().await;
-            return Err(e);
-        }
-    };
-    // Drain what is in flight, then make the final position durable.
-    let Output { acks, producer, .. } = output;
-    let acks = Arc::try_unwrap(acks).map_err(|_| RunError::Delivery("acks still shared".into()))?;
-    let confirmed = acks.drain(last).await.map_err(RunError::Delivery)?;
-    // Exactly once, stopped inside a source transaction: its part in Kafka
-    // is aborted (after delivery, so nothing is purged) and the slot
-    // replays the whole transaction.
-    producer.abort().await?;
-    repl.update_applied_lsn(WireLsn(confirmed));
-    let _ = repl.shutdown().await;
-    advance_slot(&sql, &config.source.slot, confirmed).await;
-    tracing::info!(confirmed = %Lsn(confirmed), "stopped");
-    Ok(())
+    })
 }
 
 /// Waits up to [`SLOT_RELEASE_WAIT`] for another session to let go of the

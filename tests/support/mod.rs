@@ -707,9 +707,12 @@ impl Decoder {
     }
 }
 
-/// A `pgcdc run` process, killed when dropped.
+/// A `pgcdc run` process, killed when dropped. Its log goes to a file, and
+/// a test failing while it lives prints the log's end (parallel tests'
+/// logs interleaved on one stderr are unreadable, and cut short in CI).
 pub struct ConnectorProcess {
     pub child: tokio::process::Child,
+    log: tempfile::NamedTempFile,
 }
 
 impl ConnectorProcess {
@@ -718,13 +721,20 @@ impl ConnectorProcess {
     }
 
     pub fn start_with(config: &ConfigFile, extra: &[&str]) -> ConnectorProcess {
+        let log = tempfile::NamedTempFile::new().expect("connector log");
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
             .args(["run", "--config", config.arg()])
             .args(extra)
+            .stderr(log.reopen().expect("connector log"))
             .kill_on_drop(true)
             .spawn()
             .expect("spawn pgcdc run");
-        ConnectorProcess { child }
+        ConnectorProcess { child, log }
+    }
+
+    /// What the connector logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log.path()).unwrap_or_default()
     }
 
     /// SIGTERM, then the exit code.
@@ -739,6 +749,21 @@ impl ConnectorProcess {
             .expect("connector did not stop within 30 s")
             .expect("wait");
         status.code().unwrap_or(-1)
+    }
+}
+
+impl Drop for ConnectorProcess {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let log = self.log();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(80)..];
+            eprintln!(
+                "--- the connector's log, last {} lines ---\n{}",
+                tail.len(),
+                tail.join("\n")
+            );
+        }
     }
 }
 
