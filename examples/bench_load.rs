@@ -32,6 +32,14 @@ async fn main() {
         .await
         .unwrap_or_else(|e| panic!("connect: {e}"));
     tokio::spawn(connection);
+    // The stack runs synchronous_commit = off, under which the walsender
+    // sees a commit only once the WAL writer flushes it (every 200 ms by
+    // default): that would be measured as pgcdc's latency. On is also
+    // what a production server runs.
+    client
+        .batch_execute("SET synchronous_commit = on")
+        .await
+        .unwrap_or_else(|e| panic!("synchronous_commit: {e}"));
     let insert = client
         .prepare(
             "INSERT INTO orders (id, customer_id, amount, status)

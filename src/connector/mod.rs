@@ -1478,6 +1478,7 @@ async fn copy_chunk(
     futures_util::pin_mut!(stream);
     let started = std::time::Instant::now();
     let mut buf: Vec<u8> = Vec::new();
+    let mut line = catalog::CopyLine::default();
     let mut rows: u64 = 0;
     let src = SourceInfo {
         connector_name: &output.config.name,
@@ -1497,8 +1498,11 @@ async fn copy_chunk(
         let mut start = 0;
         let before = rows;
         while let Some(nl) = buf[start..].iter().position(|&b| b == b'\n') {
-            let fields = catalog::copy_fields(&buf[start..start + nl]);
-            let row = copy_inputs(&fields);
+            line.parse(&buf[start..start + nl]);
+            let row: Vec<Input<'_>> = line
+                .fields()
+                .map(|f| f.map_or(Input::Null, Input::Text))
+                .collect();
             output.emit(codec, Op::Read, None, Some(&row), &src).await?;
             rows += 1;
             start += nl + 1;

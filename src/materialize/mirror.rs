@@ -17,6 +17,10 @@
 //!
 //! A truncate removes only rows older than itself: it has no key, so it
 //! can arrive after newer changes that travelled on other partitions.
+//!
+//! Each statement has a set-wise twin (`*_many`, `stored_positions`) that
+//! takes many rows of distinct keys as one array per column: same guard,
+//! same locks (taken in key order), one round trip.
 
 use std::collections::HashMap;
 
@@ -173,6 +177,24 @@ impl Mirror {
             })
             .collect::<Vec<_>>()
             .join(" AND ")
+    }
+
+    /// `(k1, ...) IN (unnest of text arrays)` for rows aliased `m`, one
+    /// array parameter per key column from `first_param`.
+    pub fn keys_in(&self, first_param: usize) -> String {
+        if let [i] = self.key[..] {
+            let c = &self.columns[i];
+            if !c.sql_type.contains('[') {
+                // The form the planner surely answers from the key's index.
+                return format!(
+                    "m.{} = ANY(${first_param}::text[]::{}[])",
+                    quote_ident(&c.name),
+                    c.sql_type
+                );
+            }
+        }
+        let (arrays, aliases, on) = key_unnest(self, first_param);
+        format!("EXISTS (SELECT 1 FROM unnest({arrays}) AS u({aliases}) WHERE {on})")
     }
 
     /// Quoted column names, `$i::text::type` values, quoted key names.
@@ -471,6 +493,256 @@ pub async fn delete(
     params.push(&position.1);
     tx.execute(&sql, &params).await?;
     Ok(Outcome::Applied)
+}
+
+/// A row of a set-wise statement: one change of a key (keys distinct
+/// within a set, so no statement touches a row twice).
+#[derive(Debug)]
+pub struct SetRow<'a> {
+    pub key: &'a [String],
+    pub cells: Option<&'a [Cell]>,
+    pub position: Position,
+}
+
+/// `unnest($first::text[], ...)` over the key columns, aliased `k0, k1, ...`,
+/// and the join condition of mirror `m` to them.
+fn key_unnest(mirror: &Mirror, first: usize) -> (String, String, String) {
+    let arrays = (0..mirror.key.len())
+        .map(|n| format!("${}::text[]", first + n))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let aliases = (0..mirror.key.len())
+        .map(|n| format!("k{n}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let on = mirror
+        .key
+        .iter()
+        .enumerate()
+        .map(|(n, &i)| {
+            let c = &mirror.columns[i];
+            format!("m.{} = u.k{n}::{}", quote_ident(&c.name), c.sql_type)
+        })
+        .collect::<Vec<_>>()
+        .join(" AND ");
+    (arrays, aliases, on)
+}
+
+/// The key texts of `rows`, one array per key column.
+fn key_arrays(mirror: &Mirror, rows: &[SetRow<'_>]) -> Vec<Vec<String>> {
+    (0..mirror.key.len())
+        .map(|n| rows.iter().map(|r| r.key[n].clone()).collect())
+        .collect()
+}
+
+/// The cell texts of `rows`, one array per column (an unchanged cell is
+/// NULL; the statement does not write it).
+fn cell_arrays(mirror: &Mirror, rows: &[SetRow<'_>]) -> Vec<Vec<Option<String>>> {
+    (0..mirror.columns.len())
+        .map(|i| {
+            rows.iter()
+                .map(|r| match r.cells.map(|c| &c[i]) {
+                    Some(Cell::Text(t)) => Some(t.clone()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// [`stored_position`] of many keys in two statements (the key locks,
+/// then the look-up): the newest stored position of each row's key, by
+/// index into `rows`.
+pub async fn stored_positions(
+    tx: &Transaction<'_>,
+    statements: &mut Statements,
+    mirror: &Mirror,
+    rows: &[SetRow<'_>],
+) -> Result<HashMap<usize, Position>, tokio_postgres::Error> {
+    let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
+    if !mirror.private {
+        // In one order, so that two instances locking overlapping sets
+        // wait for each other rather than deadlock.
+        let lock = statements
+            .prepare(
+                tx,
+                "SELECT pg_advisory_xact_lock(hashtextextended($1 || '|' || kt, 0))
+                 FROM unnest($2::text[]) AS kt ORDER BY kt",
+            )
+            .await?;
+        tx.query(&lock, &[&mirror.qualified, &key_texts]).await?;
+    }
+    let sql = statements.text(format!("stored many {}", mirror.qualified), || {
+        let (arrays, aliases, on) = key_unnest(mirror, 3);
+        format!(
+            "SELECT u.i, p.lsn, p.seq
+             FROM unnest($2::text[], {arrays}) WITH ORDINALITY AS u(kt, {aliases}, i),
+             LATERAL (
+               SELECT m._pgcdc_commit_lsn, m._pgcdc_seq FROM {t} m WHERE {on}
+               UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = u.kt
+               UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1
+             ) p(lsn, seq)",
+            t = mirror.qualified
+        )
+    });
+    let sql = statements.prepare(tx, &sql).await?;
+    let keys = key_arrays(mirror, rows);
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts];
+    params.extend(keys.iter().map(|k| k as &(dyn ToSql + Sync)));
+    let mut out: HashMap<usize, Position> = HashMap::new();
+    for r in tx.query(&sql, &params).await? {
+        let i = r.get::<_, i64>(0) as usize - 1;
+        let p = (r.get::<_, i64>(1), r.get::<_, i64>(2));
+        let e = out.entry(i).or_insert(p);
+        *e = (*e).max(p);
+    }
+    Ok(out)
+}
+
+/// [`insert_new`] of many rows in one statement: returns the indexes (into
+/// `rows`) of those it inserted.
+pub async fn insert_new_many(
+    tx: &Transaction<'_>,
+    statements: &mut Statements,
+    mirror: &Mirror,
+    rows: &[SetRow<'_>],
+) -> Result<Vec<usize>, tokio_postgres::Error> {
+    let n = mirror.columns.len();
+    let sql = statements.text(format!("insert_new many {}", mirror.qualified), || {
+        let (names, _, key) = mirror.column_lists();
+        let arrays = (0..n).map(|i| format!("${}::text[]", i + 5)).collect::<Vec<_>>().join(", ");
+        let aliases = (0..n).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
+        let values = mirror
+            .columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("u.c{i}::{}", c.sql_type))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let back = mirror
+            .key
+            .iter()
+            .map(|&i| format!("ins.{} = u.c{i}::{}", names[i], mirror.columns[i].sql_type))
+            .collect::<Vec<_>>()
+            .join(" AND ");
+        format!(
+            "WITH u AS (
+               SELECT * FROM unnest($2::text[], $3::bigint[], $4::bigint[], {arrays})
+                 WITH ORDINALITY AS u(kt, lsn, seq, {aliases}, i)
+             ), ins AS (
+               INSERT INTO {m} ({names}, _pgcdc_commit_lsn, _pgcdc_seq)
+               SELECT {values}, u.lsn, u.seq FROM u
+               WHERE NOT EXISTS (SELECT 1 FROM pgcdc_state.tombstones t WHERE t.mirror = $1 AND t.key = u.kt)
+                 AND NOT EXISTS (SELECT 1 FROM pgcdc_state.truncations r
+                                 WHERE r.mirror = $1 AND (r.commit_lsn, r.seq) >= (u.lsn, u.seq))
+               ON CONFLICT ({key}) DO NOTHING
+               RETURNING {keys}
+             )
+             SELECT u.i FROM u JOIN ins ON {back}",
+            m = mirror.qualified,
+            names = names.join(", "),
+            key = key.join(", "),
+            keys = key.join(", "),
+        )
+    });
+    let sql = statements.prepare(tx, &sql).await?;
+    let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
+    let (lsns, seqs): (Vec<i64>, Vec<i64>) = rows.iter().map(|r| r.position).unzip();
+    let cells = cell_arrays(mirror, rows);
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts, &lsns, &seqs];
+    params.extend(cells.iter().map(|c| c as &(dyn ToSql + Sync)));
+    Ok(tx
+        .query(&sql, &params)
+        .await?
+        .iter()
+        .map(|r| r.get::<_, i64>(0) as usize - 1)
+        .collect())
+}
+
+/// [`upsert`] of many rows (all with the same unchanged cells) in one
+/// statement; call after [`stored_positions`].
+pub async fn upsert_many(
+    tx: &Transaction<'_>,
+    statements: &mut Statements,
+    mirror: &Mirror,
+    rows: &[SetRow<'_>],
+) -> Result<(), tokio_postgres::Error> {
+    let Some(first) = rows.first().and_then(|r| r.cells) else {
+        return Ok(());
+    };
+    let n = mirror.columns.len();
+    let mask: String = first
+        .iter()
+        .map(|c| if *c == Cell::Unchanged { 'u' } else { 'v' })
+        .collect();
+    let sql = statements.text(format!("upsert many {} {mask}", mirror.qualified), || {
+        let (names, _, key) = mirror.column_lists();
+        let arrays = (0..n).map(|i| format!("${}::text[]", i + 5)).collect::<Vec<_>>().join(", ");
+        let aliases = (0..n).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
+        let values = mirror
+            .columns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("u.c{i}::{}", c.sql_type))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut set: Vec<String> = names
+            .iter()
+            .zip(mask.chars())
+            .filter(|(_, m)| *m == 'v')
+            .map(|(c, _)| format!("{c} = EXCLUDED.{c}"))
+            .collect();
+        set.push("_pgcdc_commit_lsn = EXCLUDED._pgcdc_commit_lsn".into());
+        set.push("_pgcdc_seq = EXCLUDED._pgcdc_seq".into());
+        format!(
+            "WITH cleared AS (DELETE FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = ANY($2::text[]))
+             INSERT INTO {m} ({names}, _pgcdc_commit_lsn, _pgcdc_seq)
+             SELECT {values}, u.lsn, u.seq
+             FROM unnest($3::bigint[], $4::bigint[], {arrays}) AS u(lsn, seq, {aliases})
+             ON CONFLICT ({key}) DO UPDATE SET {set}",
+            m = mirror.qualified,
+            names = names.join(", "),
+            key = key.join(", "),
+            set = set.join(", ")
+        )
+    });
+    let sql = statements.prepare(tx, &sql).await?;
+    let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
+    let (lsns, seqs): (Vec<i64>, Vec<i64>) = rows.iter().map(|r| r.position).unzip();
+    let cells = cell_arrays(mirror, rows);
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts, &lsns, &seqs];
+    params.extend(cells.iter().map(|c| c as &(dyn ToSql + Sync)));
+    tx.execute(&sql, &params).await?;
+    Ok(())
+}
+
+/// [`delete`] of many keys in one statement; call after
+/// [`stored_positions`].
+pub async fn delete_many(
+    tx: &Transaction<'_>,
+    statements: &mut Statements,
+    mirror: &Mirror,
+    rows: &[SetRow<'_>],
+) -> Result<(), tokio_postgres::Error> {
+    let sql = statements.text(format!("delete many {}", mirror.qualified), || {
+        let (arrays, aliases, on) = key_unnest(mirror, 5);
+        format!(
+            "WITH gone AS (DELETE FROM {m} m USING unnest({arrays}) AS u({aliases}) WHERE {on})
+             INSERT INTO pgcdc_state.tombstones (mirror, key, commit_lsn, seq)
+             SELECT $1, u.kt, u.lsn, u.seq FROM unnest($2::text[], $3::bigint[], $4::bigint[]) AS u(kt, lsn, seq)
+             ON CONFLICT (mirror, key) DO UPDATE
+             SET commit_lsn = EXCLUDED.commit_lsn, seq = EXCLUDED.seq, deleted_at = now()",
+            m = mirror.qualified
+        )
+    });
+    let sql = statements.prepare(tx, &sql).await?;
+    let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
+    let (lsns, seqs): (Vec<i64>, Vec<i64>) = rows.iter().map(|r| r.position).unzip();
+    let keys = key_arrays(mirror, rows);
+    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts, &lsns, &seqs];
+    params.extend(keys.iter().map(|k| k as &(dyn ToSql + Sync)));
+    tx.execute(&sql, &params).await?;
+    Ok(())
 }
 
 /// Empties a mirror and records the truncate's position, unless a newer

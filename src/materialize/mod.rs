@@ -15,8 +15,14 @@
 //!   or Redis shared by every instance) answers "already applied" without
 //!   a database round trip; a miss, an eviction, an expiry or Redis being
 //!   down (under `fail_open`) falls through to the durable positions
-//!   stored with the rows. An optional Bloom filter turns inserts of keys
-//!   never seen into one guarded statement.
+//!   stored with the rows. An optional Bloom filter lets inserts of keys
+//!   never seen skip the look-up (the insert itself is guarded).
+//! - **Set-wise apply.** A batch is cut into windows of distinct keys;
+//!   each costs a few statements per mirror (locks and look-up, inserts,
+//!   upserts, deletes, view keys before and after) rather than several per
+//!   change, with the same outcome. A rejected value fails a window's
+//!   statement, and the batch is redone one change at a time with a
+//!   savepoint each, which isolates the change to dead-letter.
 //! - **Infrastructure errors retry, data errors dead-letter**, decided in
 //!   one place ([`MaterializeError::retry_cause`]). A lost target
 //!   connection, a Kafka or registry outage, or Redis under `fail_closed`
@@ -156,6 +162,16 @@ struct Writer {
     names: HashMap<String, Json>,
 }
 
+/// How a writer schema's records map onto a mirror's columns: worked out
+/// once per writer and mirror shape rather than for every record.
+struct Plan {
+    /// Per mirror column: the writer's field name and type, `None` where
+    /// the writer has no such column.
+    fields: Vec<Option<(String, Json)>>,
+    /// Mirror columns whose writer type the mirror may not take, and why.
+    mismatched: Vec<(usize, String)>,
+}
+
 /// Not the record's fault: the batch stops, nothing is dead-lettered, and
 /// the offsets stay, so a restart retries.
 const REGISTRY_UNAVAILABLE: &str = "registry_unavailable";
@@ -199,6 +215,9 @@ struct State {
     /// Keys with an open dead letter (the live path with the workflow's
     /// rounds on; `None` elsewhere).
     held: Option<SharedHeld>,
+    /// By (writer id, topic, the mirror's column count); the live path's
+    /// only (a replay's mapping is per message).
+    plans: HashMap<(u32, String, usize), Arc<Plan>>,
 }
 
 /// Keys with an open dead letter: a later change of such a key that
@@ -348,6 +367,7 @@ impl State {
             fast,
             mapping: None,
             held: None,
+            plans: HashMap::new(),
         }
     }
 
@@ -480,55 +500,31 @@ impl State {
             .mirrors
             .get(topic)
             .ok_or_else(|| bad(format!("no mirror for topic {topic}")))?;
-        // The writer's row-record field of a source column, and its schema.
-        let field_of = |column: &str| {
-            w.row["fields"]
-                .as_array()
-                .and_then(|f| f.iter().find(|f| shape::column_name(f) == Some(column)))
-        };
-        let field_schema = |column: &str| {
-            field_of(column)
-                .map(|f| f["type"].clone())
-                .unwrap_or(Json::Null)
+        let plan = match self
+            .plans
+            .get(&(id, topic.to_string(), mirror.columns.len()))
+        {
+            Some(p) => p.clone(),
+            None => {
+                let p = Arc::new(plan(mirror, &w, id, self.mapping.as_ref()));
+                if self.mapping.is_none() {
+                    self.plans
+                        .insert((id, topic.to_string(), mirror.columns.len()), p.clone());
+                }
+                p
+            }
         };
         let mapping = self.mapping.as_ref();
-        // The writer's name for a mirror column (a replay's mapping may
-        // say the column was renamed since).
-        let writer_name = |column: &str| -> String {
-            mapping
-                .and_then(|m| m.renames.iter().find(|(_, to)| *to == column))
-                .map(|(from, _)| from.clone())
-                .unwrap_or_else(|| column.to_string())
-        };
-        // Types the mirror may not take (its columns only ever widen).
-        let mismatched: Vec<(&str, String)> = mirror
-            .columns
-            .iter()
-            .filter_map(|c| {
-                let ty = field_schema(&writer_name(&c.name));
-                if ty.is_null() {
-                    return None;
-                }
-                let writer = shape::sql_type(&ty, &w.names);
-                (!shape::takes(&c.sql_type, &writer)).then(|| {
-                    let what = format!(
-                        "{}.{}: writer schema {id} has {writer}, the mirror {}",
-                        mirror.source, c.name, c.sql_type
-                    );
-                    (c.name.as_str(), what)
-                })
-            })
-            .collect();
-        let mismatch = (!mismatched.is_empty()).then(|| {
-            mismatched
+        let mismatch = (!plan.mismatched.is_empty()).then(|| {
+            plan.mismatched
                 .iter()
                 .map(|(_, w)| w.as_str())
                 .collect::<Vec<_>>()
                 .join("; ")
         });
         // A column's own value fails: the schema's fault only if its type changed.
-        let value_class = |column: &str| {
-            if mismatched.iter().any(|(c, _)| *c == column) {
+        let value_class = |column: usize| {
+            if plan.mismatched.iter().any(|(c, _)| *c == column) {
                 classify_reader_mismatch()
             } else {
                 quarantine_class(Fault::Value)
@@ -541,14 +537,18 @@ impl State {
             mirror
                 .columns
                 .iter()
-                .map(|c| {
-                    let field = field_of(&writer_name(&c.name));
-                    let avro = field.and_then(|f| f["name"].as_str());
-                    match row.iter().find(|(n, _)| Some(n.as_str()) == avro) {
-                        Some((_, v)) => {
-                            let schema = field.map_or(&Json::Null, |f| &f["type"]);
+                .zip(&plan.fields)
+                .enumerate()
+                .map(|(i, (c, field))| {
+                    let found = field.as_ref().and_then(|(avro, schema)| {
+                        row.iter()
+                            .find(|(n, _)| n == avro)
+                            .map(|(_, v)| (v, schema))
+                    });
+                    match found {
+                        Some((v, schema)) => {
                             shape::cell(v, schema, &w.names).map_err(|e| Failure {
-                                class: value_class(&c.name),
+                                class: value_class(i),
                                 error: format!("{}.{}: {e}", mirror.source, c.name),
                                 position: Some(position),
                             })
@@ -600,6 +600,58 @@ impl State {
             committed_ms,
         })
     }
+}
+
+/// Works out how `w`'s records map onto `mirror` (see [`Plan`]).
+fn plan(
+    mirror: &Mirror,
+    w: &Writer,
+    id: u32,
+    mapping: Option<&crate::config::DlqMappingConfig>,
+) -> Plan {
+    // The writer's name for a mirror column (a replay's mapping may say
+    // the column was renamed since).
+    let writer_name = |column: &str| -> String {
+        mapping
+            .and_then(|m| m.renames.iter().find(|(_, to)| *to == column))
+            .map(|(from, _)| from.clone())
+            .unwrap_or_else(|| column.to_string())
+    };
+    let fields: Vec<Option<(String, Json)>> = mirror
+        .columns
+        .iter()
+        .map(|c| {
+            let name = writer_name(&c.name);
+            w.row["fields"]
+                .as_array()
+                .and_then(|f| {
+                    f.iter()
+                        .find(|f| shape::column_name(f) == Some(name.as_str()))
+                })
+                .and_then(|f| Some((f["name"].as_str()?.to_string(), f["type"].clone())))
+        })
+        .collect();
+    // Types the mirror may not take (its columns only ever widen).
+    let mismatched = mirror
+        .columns
+        .iter()
+        .zip(&fields)
+        .enumerate()
+        .filter_map(|(i, (c, f))| {
+            let (_, ty) = f.as_ref()?;
+            let writer = shape::sql_type(ty, &w.names);
+            (!shape::takes(&c.sql_type, &writer)).then(|| {
+                (
+                    i,
+                    format!(
+                        "{}.{}: writer schema {id} has {writer}, the mirror {}",
+                        mirror.source, c.name, c.sql_type
+                    ),
+                )
+            })
+        })
+        .collect();
+    Plan { fields, mismatched }
 }
 
 /// Waits for a subject's latest schema (the connector may not have run
@@ -1494,6 +1546,18 @@ async fn apply_in(
     lookups: &Lookups,
     careful: bool,
 ) -> Result<Done, MaterializeError> {
+    if !careful {
+        let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); state.views.len()];
+        let done = apply_sets(tx, state, batch, changes, lookups, &mut affected)
+            .await
+            .map_err(|e| match is_data_error(&e) {
+                // The transaction is lost; redo the batch with savepoints.
+                Some(_) => MaterializeError::Rejected,
+                None => MaterializeError::Postgres(e),
+            })?;
+        recompute_views(tx, &state.views, &affected).await?;
+        return Ok(done);
+    }
     let state_holds = state.held.is_some();
     let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
     let mut dead: Vec<(usize, Failure)> = Vec::new();
@@ -1611,23 +1675,7 @@ async fn apply_in(
             },
         }
     }
-    for (v, view) in views.iter().enumerate() {
-        view.recompute(tx, &affected[v])
-            .await
-            .map_err(|e| match e {
-                view::ViewError::Db(e) => match is_data_error(&e) {
-                    Some(class) => MaterializeError::ViewRejected {
-                        class,
-                        error: format!("{}: {}", view.name, crate::source::error_text(&e)),
-                    },
-                    None => MaterializeError::Postgres(e),
-                },
-                view::ViewError::Key(error) => MaterializeError::ViewRejected {
-                    class: "unsupported_value",
-                    error,
-                },
-            })?;
-    }
+    recompute_views(tx, views, &affected).await?;
     Ok(Done {
         committed,
         dead,
@@ -1636,6 +1684,226 @@ async fn apply_in(
         fast_hits,
         bloom_skips,
     })
+}
+
+/// Recomputes each view's affected keys.
+async fn recompute_views(
+    tx: &tokio_postgres::Transaction<'_>,
+    views: &[View],
+    affected: &[BTreeSet<String>],
+) -> Result<(), MaterializeError> {
+    for (view, keys) in views.iter().zip(affected) {
+        view.recompute(tx, keys).await.map_err(|e| match e {
+            view::ViewError::Db(e) => match is_data_error(&e) {
+                Some(class) => MaterializeError::ViewRejected {
+                    class,
+                    error: format!("{}: {}", view.name, crate::source::error_text(&e)),
+                },
+                None => MaterializeError::Postgres(e),
+            },
+            view::ViewError::Key(error) => MaterializeError::ViewRejected {
+                class: "unsupported_value",
+                error,
+            },
+        })?;
+    }
+    Ok(())
+}
+
+/// A batch's changes applied set-wise: the changes are cut into windows in
+/// which every key occurs once (a truncate stands alone), and each window
+/// costs a few statements per mirror instead of several per change. The
+/// outcome is the one-change-at-a-time path's: the same position guard
+/// under the same key locks, and view keys read before the window's
+/// writes and after them, which covers every view row a change in it can
+/// move (views are functions of the mirrors' state). A value the target
+/// refuses fails the whole statement, and the caller redoes the batch one
+/// change at a time ([`apply_in`] with `careful`).
+async fn apply_sets(
+    tx: &tokio_postgres::Transaction<'_>,
+    state: &mut State,
+    batch: &[rdkafka::message::OwnedMessage],
+    changes: &[(usize, Change)],
+    lookups: &Lookups,
+    affected: &mut [BTreeSet<String>],
+) -> Result<Done, tokio_postgres::Error> {
+    let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
+    let mut done = Done::default();
+    let mut window: Vec<(&Mirror, &Change)> = Vec::new();
+    let mut in_window: HashSet<&str> = HashSet::new();
+    for (i, change) in changes {
+        let Some(m) = mirrors.get(batch[*i].topic()) else {
+            continue;
+        };
+        if change.op == "t" {
+            apply_window(tx, statements, views, &window, lookups, affected, &mut done).await?;
+            window.clear();
+            in_window.clear();
+            // Every view row that may depend on the table.
+            for (v, view) in views.iter().enumerate() {
+                if view.sources.iter().any(|(t, _)| t == &m.source) {
+                    view.all_keys(tx, &mut affected[v]).await?;
+                }
+            }
+            match mirror::truncate(tx, m, change.position).await? {
+                Outcome::Duplicate => done.duplicates += 1,
+                Outcome::Applied | Outcome::Inserted => done.applied += 1,
+            }
+            continue;
+        }
+        // The fast tier can only say "applied"; everything else is checked
+        // against the durable positions.
+        if lookups
+            .known
+            .get(&change.cache_key)
+            .is_some_and(|p| change.position <= *p)
+        {
+            done.duplicates += 1;
+            done.fast_hits += 1;
+            continue;
+        }
+        if !in_window.insert(&change.cache_key) {
+            apply_window(tx, statements, views, &window, lookups, affected, &mut done).await?;
+            window.clear();
+            in_window.clear();
+            in_window.insert(&change.cache_key);
+        }
+        window.push((m, change));
+    }
+    apply_window(tx, statements, views, &window, lookups, affected, &mut done).await?;
+    Ok(done)
+}
+
+/// One window of [`apply_sets`]: keys distinct, no truncate.
+async fn apply_window(
+    tx: &tokio_postgres::Transaction<'_>,
+    statements: &mut Statements,
+    views: &[View],
+    window: &[(&Mirror, &Change)],
+    lookups: &Lookups,
+    affected: &mut [BTreeSet<String>],
+    done: &mut Done,
+) -> Result<(), tokio_postgres::Error> {
+    fn row<'a>(c: &&'a Change) -> mirror::SetRow<'a> {
+        mirror::SetRow {
+            key: &c.key,
+            cells: c.cells.as_deref(),
+            position: c.position,
+        }
+    }
+    let mut groups: Vec<(&Mirror, Vec<&Change>)> = Vec::new();
+    for (m, c) in window {
+        match groups.iter_mut().find(|(g, _)| g.qualified == m.qualified) {
+            Some((_, cs)) => cs.push(c),
+            None => groups.push((m, vec![c])),
+        }
+    }
+    // Per mirror: the changes to write, and the inserts already written.
+    let mut writes: Vec<(&Mirror, Vec<&Change>)> = Vec::new();
+    let mut inserted: Vec<(&Mirror, Vec<&Change>)> = Vec::new();
+    for (m, cs) in groups {
+        // Rows of keys the Bloom filter never saw: inserted by one guarded
+        // statement; those it finds stored take the full path.
+        let (fresh, mut rest): (Vec<&Change>, Vec<&Change>) = cs
+            .into_iter()
+            .partition(|c| c.cells.is_some() && lookups.fresh.contains(&c.cache_key));
+        if !fresh.is_empty() {
+            let rows: Vec<_> = fresh.iter().map(row).collect();
+            let got: HashSet<usize> = mirror::insert_new_many(tx, statements, m, &rows)
+                .await?
+                .into_iter()
+                .collect();
+            let mut ins = Vec::new();
+            for (j, c) in fresh.into_iter().enumerate() {
+                if got.contains(&j) {
+                    ins.push(c);
+                } else {
+                    rest.push(c);
+                }
+            }
+            inserted.push((m, ins));
+        }
+        if rest.is_empty() {
+            continue;
+        }
+        let rows: Vec<_> = rest.iter().map(row).collect();
+        let stored = mirror::stored_positions(tx, statements, m, &rows).await?;
+        let mut new = Vec::new();
+        for (j, c) in rest.into_iter().enumerate() {
+            if stored.get(&j).is_some_and(|p| *p >= c.position) {
+                done.duplicates += 1;
+            } else {
+                new.push(c);
+            }
+        }
+        writes.push((m, new));
+    }
+    // View keys of the rows as they were.
+    for (m, cs) in &writes {
+        view_keys_many(tx, statements, views, m, cs, affected).await?;
+    }
+    for (m, cs) in &writes {
+        let (upserts, deletes): (Vec<&Change>, Vec<&Change>) =
+            cs.iter().partition(|c| c.cells.is_some());
+        // One statement per set of unchanged (TOAST) columns.
+        let mut by_mask: Vec<(Vec<bool>, Vec<mirror::SetRow<'_>>)> = Vec::new();
+        for c in &upserts {
+            let mask: Vec<bool> = c
+                .cells
+                .iter()
+                .flatten()
+                .map(|x| *x == Cell::Unchanged)
+                .collect();
+            match by_mask.iter_mut().find(|(k, _)| *k == mask) {
+                Some((_, rows)) => rows.push(row(c)),
+                None => by_mask.push((mask, vec![row(c)])),
+            }
+        }
+        for (_, rows) in &by_mask {
+            mirror::upsert_many(tx, statements, m, rows).await?;
+        }
+        if !deletes.is_empty() {
+            let rows: Vec<_> = deletes.iter().map(row).collect();
+            mirror::delete_many(tx, statements, m, &rows).await?;
+        }
+    }
+    // And as they are now.
+    for (m, cs) in writes.iter().chain(&inserted) {
+        view_keys_many(tx, statements, views, m, cs, affected).await?;
+    }
+    for (_, cs) in &writes {
+        done.applied += cs.len() as u64;
+        done.committed
+            .extend(cs.iter().map(|c| (c.cache_key.clone(), c.position)));
+    }
+    for (_, cs) in &inserted {
+        done.applied += cs.len() as u64;
+        done.bloom_skips += cs.len() as u64;
+        done.committed
+            .extend(cs.iter().map(|c| (c.cache_key.clone(), c.position)));
+    }
+    Ok(())
+}
+
+/// [`view_keys`] of many rows of one mirror.
+async fn view_keys_many(
+    tx: &tokio_postgres::Transaction<'_>,
+    statements: &mut Statements,
+    views: &[View],
+    m: &Mirror,
+    changes: &[&Change],
+    affected: &mut [BTreeSet<String>],
+) -> Result<(), tokio_postgres::Error> {
+    let keys: Vec<&[String]> = changes.iter().map(|c| c.key.as_slice()).collect();
+    for (view, out) in views.iter().zip(affected.iter_mut()) {
+        for (t, mapping) in &view.sources {
+            if t == &m.source {
+                view.keys_of_many(tx, statements, mapping, m, &keys, out)
+                    .await?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The dead-letter topic and the producer that writes to it (`None` for

@@ -250,6 +250,58 @@ impl View {
         Ok(())
     }
 
+    /// [`View::keys_of`] of many mirror rows: one statement for a column
+    /// mapping, and the mapping's queries pipelined on the connection for a
+    /// query mapping.
+    pub async fn keys_of_many(
+        &self,
+        client: &impl GenericClient,
+        statements: &mut Statements,
+        mapping: &Mapping,
+        mirror: &Mirror,
+        keys: &[&[String]],
+        out: &mut BTreeSet<String>,
+    ) -> Result<(), tokio_postgres::Error> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        match mapping {
+            Mapping::Column(col) => {
+                let arrays: Vec<Vec<String>> = (0..mirror.key.len())
+                    .map(|n| keys.iter().map(|k| k[n].clone()).collect())
+                    .collect();
+                let params: Vec<&(dyn ToSql + Sync)> =
+                    arrays.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
+                let sql = format!(
+                    "SELECT m.{}::text FROM {} m WHERE {}",
+                    quote_ident(col),
+                    mirror.qualified,
+                    mirror.keys_in(1)
+                );
+                let sql = statements.prepare(client, &sql).await?;
+                let rows = client.query(&sql, &params).await?;
+                out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+            }
+            Mapping::Query { sql, param } => {
+                let sql = statements.prepare(client, sql).await?;
+                let bound: Vec<_> = keys
+                    .iter()
+                    .filter_map(|k| k.first())
+                    .filter_map(|k| bind_one(param, k).ok())
+                    .collect();
+                let params: Vec<[&(dyn ToSql + Sync); 1]> = bound
+                    .iter()
+                    .map(|b| [b.as_ref() as &(dyn ToSql + Sync)])
+                    .collect();
+                let queries = params.iter().map(|p| client.query(&sql, p));
+                for rows in futures_util::future::join_all(queries).await {
+                    out.extend(rows?.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Every key the view holds now (after a truncate of a source).
     pub async fn all_keys(
         &self,

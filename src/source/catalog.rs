@@ -151,59 +151,94 @@ pub async fn key_columns(client: &Client, oid: u32) -> Result<Vec<String>, tokio
         .collect())
 }
 
+/// One line of `COPY ... TO STDOUT` text format split into its fields and
+/// unescaped into buffers kept from line to line: no allocation per field
+/// (a snapshot parses millions of lines).
+#[derive(Debug, Default)]
+pub struct CopyLine {
+    bytes: Vec<u8>,
+    /// Byte ranges into `bytes`; `None` for `\N`.
+    fields: Vec<Option<std::ops::Range<usize>>>,
+}
+
+impl CopyLine {
+    /// Parses `line` (without its newline), replacing the previous one.
+    pub fn parse(&mut self, line: &[u8]) {
+        self.bytes.clear();
+        self.fields.clear();
+        for raw in line.split(|&b| b == b'\t') {
+            if raw == b"\\N" {
+                self.fields.push(None);
+                continue;
+            }
+            let start = self.bytes.len();
+            if raw.contains(&b'\\') {
+                unescape(raw, &mut self.bytes);
+            } else {
+                self.bytes.extend_from_slice(raw);
+            }
+            self.fields.push(Some(start..self.bytes.len()));
+        }
+    }
+
+    /// The fields of the last line parsed: `None` for NULL.
+    pub fn fields(&self) -> impl Iterator<Item = Option<&[u8]>> + '_ {
+        self.fields
+            .iter()
+            .map(|f| f.as_ref().map(|r| &self.bytes[r.clone()]))
+    }
+}
+
 /// Splits one line of `COPY ... TO STDOUT` text format into its fields:
 /// `None` for `\N`, otherwise the unescaped bytes.
 pub fn copy_fields(line: &[u8]) -> Vec<Option<Vec<u8>>> {
-    let mut out = Vec::new();
-    for raw in line.split(|&b| b == b'\t') {
-        if raw == b"\\N" {
-            out.push(None);
+    let mut parsed = CopyLine::default();
+    parsed.parse(line);
+    parsed.fields().map(|f| f.map(<[u8]>::to_vec)).collect()
+}
+
+/// Appends the unescaped bytes of one COPY text field to `field`.
+fn unescape(raw: &[u8], field: &mut Vec<u8>) {
+    let mut i = 0;
+    while i < raw.len() {
+        let b = raw[i];
+        if b != b'\\' || i + 1 == raw.len() {
+            field.push(b);
+            i += 1;
             continue;
         }
-        let mut field = Vec::with_capacity(raw.len());
-        let mut i = 0;
-        while i < raw.len() {
-            let b = raw[i];
-            if b != b'\\' || i + 1 == raw.len() {
-                field.push(b);
-                i += 1;
-                continue;
-            }
-            let next = raw[i + 1];
-            i += 2;
-            match next {
-                b'b' => field.push(0x08),
-                b'f' => field.push(0x0C),
-                b'n' => field.push(b'\n'),
-                b'r' => field.push(b'\r'),
-                b't' => field.push(b'\t'),
-                b'v' => field.push(0x0B),
-                b'0'..=b'7' => {
-                    let mut v = u32::from(next - b'0');
-                    let mut n = 1;
-                    while n < 3 && i < raw.len() && (b'0'..=b'7').contains(&raw[i]) {
-                        v = v * 8 + u32::from(raw[i] - b'0');
-                        i += 1;
-                        n += 1;
-                    }
-                    field.push((v & 0xFF) as u8);
+        let next = raw[i + 1];
+        i += 2;
+        match next {
+            b'b' => field.push(0x08),
+            b'f' => field.push(0x0C),
+            b'n' => field.push(b'\n'),
+            b'r' => field.push(b'\r'),
+            b't' => field.push(b'\t'),
+            b'v' => field.push(0x0B),
+            b'0'..=b'7' => {
+                let mut v = u32::from(next - b'0');
+                let mut n = 1;
+                while n < 3 && i < raw.len() && (b'0'..=b'7').contains(&raw[i]) {
+                    v = v * 8 + u32::from(raw[i] - b'0');
+                    i += 1;
+                    n += 1;
                 }
-                b'x' if i < raw.len() && raw[i].is_ascii_hexdigit() => {
-                    let mut v = 0u32;
-                    let mut n = 0;
-                    while n < 2 && i < raw.len() && raw[i].is_ascii_hexdigit() {
-                        v = v * 16 + (raw[i] as char).to_digit(16).unwrap_or(0);
-                        i += 1;
-                        n += 1;
-                    }
-                    field.push(v as u8);
-                }
-                other => field.push(other),
+                field.push((v & 0xFF) as u8);
             }
+            b'x' if i < raw.len() && raw[i].is_ascii_hexdigit() => {
+                let mut v = 0u32;
+                let mut n = 0;
+                while n < 2 && i < raw.len() && raw[i].is_ascii_hexdigit() {
+                    v = v * 16 + (raw[i] as char).to_digit(16).unwrap_or(0);
+                    i += 1;
+                    n += 1;
+                }
+                field.push(v as u8);
+            }
+            other => field.push(other),
         }
-        out.push(Some(field));
     }
-    out
 }
 
 #[cfg(test)]
