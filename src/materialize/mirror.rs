@@ -550,6 +550,57 @@ fn cell_arrays(mirror: &Mirror, rows: &[SetRow<'_>]) -> Vec<Vec<Option<String>>>
         .collect()
 }
 
+/// `$5::text[], ...` over every column, their aliases `c0, c1, ...`, and
+/// `u.c0::type, ...` (the insert's values).
+fn cell_unnest(mirror: &Mirror) -> (String, String, String) {
+    let n = mirror.columns.len();
+    let arrays = (0..n)
+        .map(|i| format!("${}::text[]", i + 5))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let aliases = (0..n)
+        .map(|i| format!("c{i}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let values = mirror
+        .columns
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("u.c{i}::{}", c.sql_type))
+        .collect::<Vec<_>>()
+        .join(", ");
+    (arrays, aliases, values)
+}
+
+/// The parameters of a set-wise write: `$1` the mirror, `$2` the key texts,
+/// `$3` and `$4` the positions, then one text array per column or key
+/// column.
+struct SetParams {
+    key_texts: Vec<String>,
+    lsns: Vec<i64>,
+    seqs: Vec<i64>,
+    arrays: Vec<Vec<Option<String>>>,
+}
+
+impl SetParams {
+    fn new(mirror: &Mirror, rows: &[SetRow<'_>], arrays: Vec<Vec<Option<String>>>) -> SetParams {
+        let (lsns, seqs) = rows.iter().map(|r| r.position).unzip();
+        SetParams {
+            key_texts: rows.iter().map(|r| mirror.key_text(r.key)).collect(),
+            lsns,
+            seqs,
+            arrays,
+        }
+    }
+
+    fn refs<'a>(&'a self, mirror: &'a Mirror) -> Vec<&'a (dyn ToSql + Sync)> {
+        let mut params: Vec<&(dyn ToSql + Sync)> =
+            vec![&mirror.qualified, &self.key_texts, &self.lsns, &self.seqs];
+        params.extend(self.arrays.iter().map(|a| a as &(dyn ToSql + Sync)));
+        params
+    }
+}
+
 /// [`stored_position`] of many keys in two statements (the key locks,
 /// then the look-up): the newest stored position of each row's key, by
 /// index into `rows`.
@@ -607,18 +658,9 @@ pub async fn insert_new_many(
     mirror: &Mirror,
     rows: &[SetRow<'_>],
 ) -> Result<Vec<usize>, tokio_postgres::Error> {
-    let n = mirror.columns.len();
     let sql = statements.text(format!("insert_new many {}", mirror.qualified), || {
         let (names, _, key) = mirror.column_lists();
-        let arrays = (0..n).map(|i| format!("${}::text[]", i + 5)).collect::<Vec<_>>().join(", ");
-        let aliases = (0..n).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
-        let values = mirror
-            .columns
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("u.c{i}::{}", c.sql_type))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let (arrays, aliases, values) = cell_unnest(mirror);
         let back = mirror
             .key
             .iter()
@@ -646,13 +688,9 @@ pub async fn insert_new_many(
         )
     });
     let sql = statements.prepare(tx, &sql).await?;
-    let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
-    let (lsns, seqs): (Vec<i64>, Vec<i64>) = rows.iter().map(|r| r.position).unzip();
-    let cells = cell_arrays(mirror, rows);
-    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts, &lsns, &seqs];
-    params.extend(cells.iter().map(|c| c as &(dyn ToSql + Sync)));
+    let params = SetParams::new(mirror, rows, cell_arrays(mirror, rows));
     Ok(tx
-        .query(&sql, &params)
+        .query(&sql, &params.refs(mirror))
         .await?
         .iter()
         .map(|r| r.get::<_, i64>(0) as usize - 1)
@@ -670,22 +708,13 @@ pub async fn upsert_many(
     let Some(first) = rows.first().and_then(|r| r.cells) else {
         return Ok(());
     };
-    let n = mirror.columns.len();
     let mask: String = first
         .iter()
         .map(|c| if *c == Cell::Unchanged { 'u' } else { 'v' })
         .collect();
     let sql = statements.text(format!("upsert many {} {mask}", mirror.qualified), || {
         let (names, _, key) = mirror.column_lists();
-        let arrays = (0..n).map(|i| format!("${}::text[]", i + 5)).collect::<Vec<_>>().join(", ");
-        let aliases = (0..n).map(|i| format!("c{i}")).collect::<Vec<_>>().join(", ");
-        let values = mirror
-            .columns
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("u.c{i}::{}", c.sql_type))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let (arrays, aliases, values) = cell_unnest(mirror);
         let mut set: Vec<String> = names
             .iter()
             .zip(mask.chars())
@@ -707,12 +736,8 @@ pub async fn upsert_many(
         )
     });
     let sql = statements.prepare(tx, &sql).await?;
-    let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
-    let (lsns, seqs): (Vec<i64>, Vec<i64>) = rows.iter().map(|r| r.position).unzip();
-    let cells = cell_arrays(mirror, rows);
-    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts, &lsns, &seqs];
-    params.extend(cells.iter().map(|c| c as &(dyn ToSql + Sync)));
-    tx.execute(&sql, &params).await?;
+    let params = SetParams::new(mirror, rows, cell_arrays(mirror, rows));
+    tx.execute(&sql, &params.refs(mirror)).await?;
     Ok(())
 }
 
@@ -736,12 +761,12 @@ pub async fn delete_many(
         )
     });
     let sql = statements.prepare(tx, &sql).await?;
-    let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
-    let (lsns, seqs): (Vec<i64>, Vec<i64>) = rows.iter().map(|r| r.position).unzip();
-    let keys = key_arrays(mirror, rows);
-    let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts, &lsns, &seqs];
-    params.extend(keys.iter().map(|k| k as &(dyn ToSql + Sync)));
-    tx.execute(&sql, &params).await?;
+    let keys = key_arrays(mirror, rows)
+        .into_iter()
+        .map(|k| k.into_iter().map(Some).collect())
+        .collect();
+    let params = SetParams::new(mirror, rows, keys);
+    tx.execute(&sql, &params.refs(mirror)).await?;
     Ok(())
 }
 

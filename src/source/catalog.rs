@@ -246,6 +246,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_reused_copy_line_holds_only_the_last_line() {
+        let mut line = CopyLine::default();
+        line.parse(b"a\\tb\tlonger field\t\\N");
+        line.parse(b"x\t\\101");
+        let fields: Vec<Option<&[u8]>> = line.fields().collect();
+        assert_eq!(fields, vec![Some(&b"x"[..]), Some(&b"A"[..])]);
+        line.parse(b"");
+        assert_eq!(line.fields().collect::<Vec<_>>(), vec![Some(&b""[..])]);
+    }
+
+    #[test]
     fn copy_text_fields_unescape_and_keep_null_distinct() {
         let line = b"1\t\\N\ta\\tb\\nc\\\\d\t\t\\101\\x42";
         assert_eq!(
