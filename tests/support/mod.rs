@@ -767,14 +767,17 @@ impl Drop for ConnectorProcess {
     }
 }
 
-/// Waits until a connection holds the slot: the connector has created it
-/// (it holds it from then on, through the snapshot and the stream).
+/// Waits until a connection holds the slot and the slot is consistent:
+/// every transaction committed from then on is streamed, not read by the
+/// snapshot. (The slot is active while it is still being created, and a
+/// commit in that window lands in the snapshot instead.)
 pub async fn wait_streaming(client: &Client, slot: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     loop {
         let active = client
             .query_opt(
-                "SELECT 1 FROM pg_replication_slots WHERE slot_name = $1 AND active",
+                "SELECT 1 FROM pg_replication_slots
+                 WHERE slot_name = $1 AND active AND confirmed_flush_lsn IS NOT NULL",
                 &[&slot],
             )
             .await
