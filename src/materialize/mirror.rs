@@ -360,6 +360,28 @@ fn cell_texts(cells: &[Cell]) -> Vec<Option<String>> {
         .collect()
 }
 
+/// `u` for each unchanged (TOAST) cell, `v` for each other: an upsert's
+/// statement differs by it.
+pub fn unchanged_mask(cells: &[Cell]) -> String {
+    cells
+        .iter()
+        .map(|c| if *c == Cell::Unchanged { 'u' } else { 'v' })
+        .collect()
+}
+
+/// The upsert's `SET` list: every written column of `mask`, and the position.
+fn update_set(names: &[String], mask: &str) -> String {
+    let mut set: Vec<String> = names
+        .iter()
+        .zip(mask.chars())
+        .filter(|(_, m)| *m == 'v')
+        .map(|(c, _)| format!("{c} = EXCLUDED.{c}"))
+        .collect();
+    set.push("_pgcdc_commit_lsn = EXCLUDED._pgcdc_commit_lsn".into());
+    set.push("_pgcdc_seq = EXCLUDED._pgcdc_seq".into());
+    set.join(", ")
+}
+
 /// Upserts a row (insert, update, snapshot read); call after [`is_new`].
 /// Unchanged-TOAST cells keep the stored value.
 pub async fn upsert(
@@ -370,21 +392,11 @@ pub async fn upsert(
     position: Position,
 ) -> Result<Outcome, tokio_postgres::Error> {
     let key = mirror.key_of(cells);
-    let mask: String = cells
-        .iter()
-        .map(|c| if *c == Cell::Unchanged { 'u' } else { 'v' })
-        .collect();
+    let mask = unchanged_mask(cells);
     let sql = statements.text(format!("upsert {} {mask}", mirror.qualified), || {
         let n = mirror.columns.len();
         let (names, values, key) = mirror.column_lists();
-        let mut set: Vec<String> = names
-            .iter()
-            .zip(mask.chars())
-            .filter(|(_, m)| *m == 'v')
-            .map(|(c, _)| format!("{c} = EXCLUDED.{c}"))
-            .collect();
-        set.push("_pgcdc_commit_lsn = EXCLUDED._pgcdc_commit_lsn".into());
-        set.push("_pgcdc_seq = EXCLUDED._pgcdc_seq".into());
+        let set = update_set(&names, &mask);
         // Clearing the key's tombstone (a re-insert) in the same statement.
         format!(
             "WITH cleared AS (DELETE FROM pgcdc_state.tombstones WHERE mirror = ${} AND key = ${})
@@ -398,7 +410,7 @@ pub async fn upsert(
             n + 1,
             n + 2,
             key.join(", "),
-            set.join(", ")
+            set
         )
     });
     let sql = statements.prepare(tx, &sql).await?;
@@ -708,21 +720,11 @@ pub async fn upsert_many(
     let Some(first) = rows.first().and_then(|r| r.cells) else {
         return Ok(());
     };
-    let mask: String = first
-        .iter()
-        .map(|c| if *c == Cell::Unchanged { 'u' } else { 'v' })
-        .collect();
+    let mask = unchanged_mask(first);
     let sql = statements.text(format!("upsert many {} {mask}", mirror.qualified), || {
         let (names, _, key) = mirror.column_lists();
         let (arrays, aliases, values) = cell_unnest(mirror);
-        let mut set: Vec<String> = names
-            .iter()
-            .zip(mask.chars())
-            .filter(|(_, m)| *m == 'v')
-            .map(|(c, _)| format!("{c} = EXCLUDED.{c}"))
-            .collect();
-        set.push("_pgcdc_commit_lsn = EXCLUDED._pgcdc_commit_lsn".into());
-        set.push("_pgcdc_seq = EXCLUDED._pgcdc_seq".into());
+        let set = update_set(&names, &mask);
         format!(
             "WITH cleared AS (DELETE FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = ANY($2::text[]))
              INSERT INTO {m} ({names}, _pgcdc_commit_lsn, _pgcdc_seq)
@@ -732,7 +734,6 @@ pub async fn upsert_many(
             m = mirror.qualified,
             names = names.join(", "),
             key = key.join(", "),
-            set = set.join(", ")
         )
     });
     let sql = statements.prepare(tx, &sql).await?;

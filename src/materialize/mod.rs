@@ -1892,14 +1892,9 @@ async fn apply_window(
         let (upserts, deletes): (Vec<&Change>, Vec<&Change>) =
             cs.iter().partition(|c| c.cells.is_some());
         // One statement per set of unchanged (TOAST) columns.
-        let mut by_mask: Vec<(Vec<bool>, Vec<mirror::SetRow<'_>>)> = Vec::new();
+        let mut by_mask: Vec<(String, Vec<mirror::SetRow<'_>>)> = Vec::new();
         for c in &upserts {
-            let mask: Vec<bool> = c
-                .cells
-                .iter()
-                .flatten()
-                .map(|x| *x == Cell::Unchanged)
-                .collect();
+            let mask = mirror::unchanged_mask(c.cells.as_deref().unwrap_or_default());
             match by_mask.iter_mut().find(|(k, _)| *k == mask) {
                 Some((_, rows)) => rows.push(row(c)),
                 None => by_mask.push((mask, vec![row(c)])),
