@@ -1,18 +1,25 @@
 //! The broker's ingest ceiling, for `scripts/bench stream`: COUNT
 //! pre-built keyed messages of SIZE bytes produced with rdkafka to a new
 //! topic of PARTITIONS partitions, under the connector's producer settings
-//! (idempotent, `acks=all`, `linger.ms=5`), timed from the first send to
-//! the last acknowledgement. Prints `<acknowledged> <seconds>`.
+//! (idempotent, `acks=all`, `linger.ms=5`, plus every `-X key=value` given,
+//! such as the pipeline's `compression.type`), timed from the first send
+//! to the last acknowledgement. Prints `<acknowledged> <seconds>`.
+//!
+//! A few warm-up messages go first, outside the figures. With `--rate R`
+//! it sends at R messages a second instead (one burst
+//! every 10 ms) and prints `<acknowledged> <seconds> <p50> <p99> <max>`,
+//! each message's send-to-acknowledgement time in milliseconds: the part
+//! of the commit-to-ack latency that librdkafka and the broker take.
 //!
 //! ```text
-//! cargo run --release --example bench_ingest -- BROKERS TOPIC COUNT SIZE [PARTITIONS]
+//! cargo run --release --example bench_ingest -- BROKERS TOPIC COUNT SIZE [PARTITIONS] [--rate R] [-X key=value ...]
 //! ```
 //!
 //! An example rather than a bench target: `cargo test` builds examples,
 //! so this cannot rot between benchmark runs.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -26,51 +33,119 @@ use rdkafka::ClientContext;
 struct Acks {
     ok: AtomicU64,
     failed: AtomicU64,
+    /// Send-to-ack times (µs), in latency mode.
+    latencies: Mutex<Vec<u64>>,
+    started: Option<Instant>,
 }
 
 struct Counter(Arc<Acks>);
 
+/// The opaque of a warm-up message.
+const WARMUP: usize = usize::MAX;
+
 impl ClientContext for Counter {}
 
 impl ProducerContext for Counter {
-    type DeliveryOpaque = ();
+    /// Microseconds since the run started, at the send.
+    type DeliveryOpaque = usize;
 
-    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+    fn delivery(&self, result: &DeliveryResult<'_>, sent_us: usize) {
         let n = if result.is_ok() {
             &self.0.ok
         } else {
             &self.0.failed
         };
         n.fetch_add(1, Ordering::Relaxed);
+        if sent_us == WARMUP {
+            return;
+        }
+        if let Some(started) = self.0.started {
+            let now = started.elapsed().as_micros() as u64;
+            if let Ok(mut l) = self.0.latencies.lock() {
+                l.push(now.saturating_sub(sent_us as u64));
+            }
+        }
     }
 }
 
 fn usage() -> ! {
-    eprintln!("usage: bench_ingest BROKERS TOPIC COUNT SIZE [PARTITIONS]");
+    eprintln!(
+        "usage: bench_ingest BROKERS TOPIC COUNT SIZE [PARTITIONS] [--rate R] [-X key=value ...]"
+    );
     std::process::exit(2)
+}
+
+struct Args {
+    brokers: String,
+    topic: String,
+    count: u64,
+    size: usize,
+    partitions: i32,
+    rate: Option<u64>,
+    properties: Vec<(String, String)>,
+}
+
+fn parse_args() -> Args {
+    let mut positional = Vec::new();
+    let (mut rate, mut properties) = (None, Vec::new());
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--rate" => {
+                rate = Some(
+                    it.next()
+                        .and_then(|r| r.parse().ok())
+                        .unwrap_or_else(|| usage()),
+                )
+            }
+            "-X" => {
+                let kv = it.next().unwrap_or_else(|| usage());
+                let (k, v) = kv.split_once('=').unwrap_or_else(|| usage());
+                properties.push((k.to_string(), v.to_string()));
+            }
+            _ => positional.push(a),
+        }
+    }
+    if !(4..=5).contains(&positional.len()) {
+        usage();
+    }
+    Args {
+        brokers: positional[0].clone(),
+        topic: positional[1].clone(),
+        count: positional[2].parse().unwrap_or_else(|_| usage()),
+        size: positional[3].parse().unwrap_or_else(|_| usage()),
+        partitions: positional
+            .get(4)
+            .map(|p| p.parse().unwrap_or_else(|_| usage()))
+            .unwrap_or(3),
+        rate,
+        properties,
+    }
+}
+
+fn quantile(sorted: &[u64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
+    sorted[i] as f64 / 1000.0
 }
 
 #[tokio::main]
 async fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.len() < 4 {
-        usage();
-    }
-    let (brokers, topic) = (&args[0], &args[1]);
-    let count: u64 = args[2].parse().unwrap_or_else(|_| usage());
-    let size: usize = args[3].parse().unwrap_or_else(|_| usage());
-    let partitions: i32 = args
-        .get(4)
-        .map(|p| p.parse().unwrap_or_else(|_| usage()))
-        .unwrap_or(3);
-
+    let args = parse_args();
+    let (brokers, topic) = (&args.brokers, &args.topic);
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()
         .unwrap_or_else(|e| panic!("admin client: {e}"));
     let created = admin
         .create_topics(
-            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &[NewTopic::new(
+                topic,
+                args.partitions,
+                TopicReplication::Fixed(1),
+            )],
             &AdminOptions::new(),
         )
         .await
@@ -81,20 +156,53 @@ async fn main() {
         }
     }
 
-    let acks = Arc::new(Acks::default());
-    let producer: ThreadedProducer<Counter> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    let acks = Arc::new(Acks {
+        started: args.rate.map(|_| Instant::now()),
+        ..Acks::default()
+    });
+    let mut cc = ClientConfig::new();
+    cc.set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("partitioner", "murmur2_random")
-        .set("linger.ms", "5")
+        .set("linger.ms", "5");
+    for (k, v) in &args.properties {
+        cc.set(k, v);
+    }
+    let producer: ThreadedProducer<Counter> = cc
         .create_with_context(Counter(acks.clone()))
         .unwrap_or_else(|e| panic!("producer: {e}"));
-    let payload = vec![0x5a_u8; size];
+    let payload = vec![0x5a_u8; args.size];
+    // Warm-up, outside the figures: the new topic's metadata and leaders,
+    // and the idempotent producer's id.
+    for i in 0..(args.partitions as u64 * 4) {
+        let key = (u64::MAX - i).to_be_bytes();
+        let record = BaseRecord::with_opaque_to(topic, WARMUP)
+            .key(&key[..])
+            .payload(&payload[..]);
+        producer
+            .send(record)
+            .unwrap_or_else(|(e, _)| panic!("produce: {e}"));
+    }
+    producer
+        .flush(Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("flush: {e}"));
+    acks.ok.store(0, Ordering::Relaxed);
     let started = Instant::now();
-    for i in 0..count {
+    // Latency mode: a burst every 10 ms, as the latency load commits.
+    let per_tick = args.rate.map(|r| (r / 100).max(1));
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    for i in 0..args.count {
+        if let Some(n) = per_tick {
+            if i % n == 0 {
+                tick.tick().await;
+            }
+        }
         let key = i.to_be_bytes();
-        let mut record = BaseRecord::to(topic).key(&key[..]).payload(&payload[..]);
+        let sent_us = acks.started.map_or(0, |s| s.elapsed().as_micros() as usize);
+        let mut record = BaseRecord::with_opaque_to(topic, sent_us)
+            .key(&key[..])
+            .payload(&payload[..]);
         loop {
             match producer.send(record) {
                 Ok(()) => break,
@@ -115,5 +223,16 @@ async fn main() {
         acks.failed.load(Ordering::Relaxed),
     );
     assert_eq!(failed, 0, "{failed} messages were not acknowledged");
-    println!("{ok} {seconds:.3}");
+    if args.rate.is_some() {
+        let mut l = acks.latencies.lock().map(|l| l.clone()).unwrap_or_default();
+        l.sort_unstable();
+        println!(
+            "{ok} {seconds:.3} {:.1} {:.1} {:.1}",
+            quantile(&l, 0.5),
+            quantile(&l, 0.99),
+            quantile(&l, 1.0)
+        );
+    } else {
+        println!("{ok} {seconds:.3}");
+    }
 }

@@ -69,7 +69,7 @@ pub async fn write(
     producer: &sink::Producer,
     config: &Config,
     offset: &Offset,
-) -> Result<rdkafka::producer::DeliveryFuture, String> {
+) -> Result<sink::Delivery, String> {
     let payload = serde_json::to_vec(offset).map_err(|e| e.to_string())?;
     producer
         .send(&topic(config), Some(offset.slot.as_bytes()), Some(&payload))

@@ -8,20 +8,28 @@
 //!   producer with `acks=all`, and the Java-compatible murmur2 partitioner,
 //!   so per-key order holds and Java clients agree on partitions.
 //! - [`Acks`] releases a transaction's end LSN only after every message
-//!   produced before it was acknowledged, in order; the watermark it
-//!   publishes only moves forward. A failed delivery stops it, and nothing
-//!   after the failure is ever released.
+//!   produced before it was acknowledged; the watermark it publishes only
+//!   moves forward. A failed delivery stops it, and nothing after the
+//!   failure is ever released. Tracked messages cost no future and no
+//!   channel message each: librdkafka's delivery callback marks a sequence
+//!   number done, and the contiguous prefix of done numbers decides.
 //! - In exactly-once mode the [`Producer`] is transactional: every send
 //!   belongs to a Kafka transaction, and nothing of it is visible to
 //!   `read_committed` consumers before [`Producer::commit`] returns. The
 //!   connector releases positions only after that commit.
 //!
 //! ```text
-//!  send ──► DeliveryFuture ─┐
-//!  commit(end_lsn) ─────────┼─► bounded FIFO ──► await in order ──► watch<confirmed LSN>
+//!  Acks::send ──► ticket (seq, waits while the window is full) ──► librdkafka
+//!  release(end_lsn) ──► mark at the next seq                          │
+//!                                                                     ▼
+//!  watch<confirmed LSN> ◄── marks below the acked prefix ◄── delivery callback: seq done
 //! ```
 
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -29,9 +37,11 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
-use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use tokio::sync::{mpsc, watch};
+use rdkafka::producer::{
+    BaseRecord, DeliveryResult, Producer as _, ProducerContext, ThreadedProducer,
+};
+use rdkafka::{ClientConfig, ClientContext, Message, Offset, TopicPartitionList};
+use tokio::sync::{oneshot, watch, Notify};
 
 use crate::config::KafkaConfig;
 
@@ -91,7 +101,7 @@ const TRANSACTION_CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// a Kafka transaction that [`Producer::commit`] ends.
 #[derive(Clone)]
 pub struct Producer {
-    inner: FutureProducer,
+    inner: ThreadedProducer<Deliveries>,
     /// Whether a Kafka transaction is open; `None` when not transactional.
     open: Option<Arc<Mutex<bool>>>,
 }
@@ -138,7 +148,7 @@ impl Producer {
         }
         let Some(id) = transactional_id else {
             return Ok(Producer {
-                inner: cc.create()?,
+                inner: cc.create_with_context(Deliveries)?,
                 open: None,
             });
         };
@@ -146,7 +156,7 @@ impl Producer {
         if !kafka.properties.0.contains_key("transaction.timeout.ms") {
             cc.set("transaction.timeout.ms", DEFAULT_TRANSACTION_TIMEOUT_MS);
         }
-        let inner: FutureProducer = cc.create()?;
+        let inner: ThreadedProducer<Deliveries> = cc.create_with_context(Deliveries)?;
         // Fences an earlier instance and aborts what it left open.
         let p = inner.clone();
         blocking(move || p.init_transactions(TRANSACTION_CALL_TIMEOUT)).await?;
@@ -168,15 +178,28 @@ impl Producer {
             .is_some_and(|o| *o.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// Enqueues a record, waiting while librdkafka's queue is full.
+    /// Enqueues a record, waiting while librdkafka's queue is full; the
+    /// returned [`Delivery`] resolves with Kafka's answer.
     pub async fn send(
         &self,
         topic: &str,
         key: Option<&[u8]>,
         payload: Option<&[u8]>,
-    ) -> Result<DeliveryFuture, KafkaError> {
+    ) -> Result<Delivery, KafkaError> {
+        self.send_with(topic, key, payload, None).await
+    }
+
+    async fn send_with(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: Option<&[u8]>,
+        headers: Option<OwnedHeaders>,
+    ) -> Result<Delivery, KafkaError> {
         self.begin()?;
-        send(&self.inner, topic, key, payload, None).await
+        let (tx, rx) = oneshot::channel();
+        send(&self.inner, topic, key, payload, headers, Ticket::Reply(tx)).await?;
+        Ok(Delivery(rx))
     }
 
     /// Opens a Kafka transaction if the producer is transactional and
@@ -200,9 +223,8 @@ impl Producer {
         key: Option<&[u8]>,
         payload: Option<&[u8]>,
         headers: OwnedHeaders,
-    ) -> Result<DeliveryFuture, KafkaError> {
-        self.begin()?;
-        send(&self.inner, topic, key, payload, Some(headers)).await
+    ) -> Result<Delivery, KafkaError> {
+        self.send_with(topic, key, payload, Some(headers)).await
     }
 
     /// Commits the open Kafka transaction, if any: its records become
@@ -561,130 +583,317 @@ pub fn partition_for(key: &[u8], partitions: i32) -> i32 {
     (murmur2(key) & 0x7fff_ffff) % partitions
 }
 
-/// Enqueues a record, waiting while librdkafka's queue is full.
-async fn send(
-    producer: &FutureProducer,
-    topic: &str,
-    key: Option<&[u8]>,
-    payload: Option<&[u8]>,
-    headers: Option<OwnedHeaders>,
-) -> Result<DeliveryFuture, KafkaError> {
-    loop {
-        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic);
-        if let Some(k) = key {
-            record = record.key(k);
-        }
-        if let Some(p) = payload {
-            record = record.payload(p);
-        }
-        if let Some(h) = &headers {
-            record = record.headers(h.clone());
-        }
-        match producer.send_result(record) {
-            Ok(f) => return Ok(f),
-            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                // Backpressure: the queue drains as the broker acknowledges.
-                tokio::time::sleep(Duration::from_millis(2)).await;
+/// What a produced message's delivery callback reports to.
+enum Ticket {
+    /// A caller awaits this one message ([`Delivery`]).
+    Reply(oneshot::Sender<Result<(), KafkaError>>),
+    /// Sequence number `seq` of an [`Acks`] window.
+    Tracked(Arc<Window>, u64),
+}
+
+/// The producer's context: routes each delivery report to its ticket.
+/// Runs on librdkafka's polling thread.
+struct Deliveries;
+
+impl ClientContext for Deliveries {}
+
+impl ProducerContext for Deliveries {
+    type DeliveryOpaque = Box<Ticket>;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, ticket: Box<Ticket>) {
+        let result = result.as_ref().map(|_| ()).map_err(|(e, _)| e.clone());
+        match *ticket {
+            Ticket::Reply(tx) => {
+                let _ = tx.send(result);
             }
-            Err((e, _)) => return Err(e),
+            Ticket::Tracked(window, seq) => window.complete(seq, result),
         }
     }
 }
 
-enum Pending {
-    Delivery(DeliveryFuture),
-    /// Everything before this entry belongs to transactions ending at or
-    /// before this LSN; with the source commit times (Unix µs) of the
-    /// transactions it completes, for the commit-to-ack latency.
-    Release(u64, Vec<i64>),
+/// Kafka's answer for one message sent with [`Producer::send`]. A
+/// producer dropped before the answer resolves it with
+/// [`KafkaError::Canceled`].
+#[derive(Debug)]
+pub struct Delivery(oneshot::Receiver<Result<(), KafkaError>>);
+
+impl Future for Delivery {
+    type Output = Result<(), KafkaError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0)
+            .poll(cx)
+            .map(|r| r.unwrap_or(Err(KafkaError::Canceled)))
+    }
+}
+
+/// Enqueues a record, waiting while librdkafka's queue is full.
+async fn send(
+    producer: &ThreadedProducer<Deliveries>,
+    topic: &str,
+    key: Option<&[u8]>,
+    payload: Option<&[u8]>,
+    headers: Option<OwnedHeaders>,
+    ticket: Ticket,
+) -> Result<(), KafkaError> {
+    let mut record: BaseRecord<'_, [u8], [u8], Box<Ticket>> =
+        BaseRecord::with_opaque_to(topic, Box::new(ticket));
+    if let Some(k) = key {
+        record = record.key(k);
+    }
+    if let Some(p) = payload {
+        record = record.payload(p);
+    }
+    if let Some(h) = headers {
+        record = record.headers(h);
+    }
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                // Backpressure: the queue drains as the broker acknowledges.
+                record = back;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            Err((e, back)) => {
+                // Never queued: its ticket fails, so nothing after it is released.
+                if let Ticket::Tracked(window, seq) = *back.delivery_opaque {
+                    window.complete(seq, Err(e.clone()));
+                }
+                return Err(e);
+            }
+        }
+    }
+}
+
+/// Why a tracked send failed: librdkafka refused to queue it, or the
+/// tracker stopped after an earlier delivery failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error("{0}")]
+    Delivery(String),
 }
 
 /// Ordered acknowledgement tracking (see the module guarantee).
 #[derive(Debug)]
 pub struct Acks {
-    tx: mpsc::Sender<Pending>,
+    window: Arc<Window>,
     confirmed: watch::Receiver<u64>,
     failed: watch::Receiver<Option<String>>,
 }
 
-impl std::fmt::Debug for Pending {
+/// Sequence numbers handed out to messages in flight, and the releases
+/// waiting on them.
+struct Window {
+    state: Mutex<WindowState>,
+    /// Wakes senders waiting for room.
+    room: Notify,
+    capacity: u64,
+    confirmed: watch::Sender<u64>,
+    failed: watch::Sender<Option<String>>,
+}
+
+impl std::fmt::Debug for Window {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Pending::Delivery(_) => f.write_str("Delivery"),
-            Pending::Release(l, _) => write!(f, "Release({l})"),
+        f.debug_struct("Window")
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+struct WindowState {
+    /// The next sequence number to hand out.
+    next: u64,
+    /// Every sequence number below it is acknowledged.
+    acked: u64,
+    /// Done flags of `acked..next`, at `seq % capacity`.
+    done: Vec<bool>,
+    /// Releases in order: `(mark, lsn, commit times)`, the LSN confirmed
+    /// once every sequence number below `mark` is acknowledged.
+    releases: VecDeque<(u64, u64, Vec<i64>)>,
+    /// The first failure; nothing is released after it.
+    failure: Option<String>,
+    /// A sender waits for room.
+    waiting: bool,
+}
+
+impl Window {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WindowState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A sequence number for one more message, once there is room.
+    async fn ticket(&self) -> Result<u64, String> {
+        loop {
+            let room = self.room.notified();
+            tokio::pin!(room);
+            {
+                let mut s = self.lock();
+                if let Some(e) = &s.failure {
+                    return Err(e.clone());
+                }
+                if s.next - s.acked < self.capacity {
+                    s.next += 1;
+                    return Ok(s.next - 1);
+                }
+                // Registered before the lock is released: a completion
+                // after it wakes this sender.
+                room.as_mut().enable();
+                s.waiting = true;
+            }
+            room.await;
+        }
+    }
+
+    /// Kafka's answer for sequence number `seq` (librdkafka's thread).
+    fn complete(&self, seq: u64, result: Result<(), KafkaError>) {
+        let mut s = self.lock();
+        if s.failure.is_some() {
+            return;
+        }
+        if let Err(e) = result {
+            metrics::counter!(crate::observe::KAFKA_DELIVERY_ERRORS).increment(1);
+            let reason = format!("Kafka delivery failed: {e}");
+            s.failure = Some(reason.clone());
+            drop(s);
+            let _ = self.failed.send(Some(reason));
+            self.room.notify_waiters();
+            return;
+        }
+        debug_assert!(
+            seq >= s.acked && seq < s.next,
+            "seq {seq} outside the window"
+        );
+        let cap = self.capacity;
+        s.done[(seq % cap) as usize] = true;
+        let before = s.acked;
+        while s.acked < s.next && s.done[(s.acked % cap) as usize] {
+            let at = (s.acked % cap) as usize;
+            s.done[at] = false;
+            s.acked += 1;
+        }
+        if s.acked == before {
+            return;
+        }
+        self.release_ready(&mut s);
+        if std::mem::take(&mut s.waiting) {
+            self.room.notify_waiters();
+        }
+    }
+
+    /// Publishes every release whose messages are all acknowledged.
+    fn release_ready(&self, s: &mut WindowState) {
+        let mut newest = None;
+        while s
+            .releases
+            .front()
+            .is_some_and(|(mark, ..)| *mark <= s.acked)
+        {
+            let Some((_, lsn, committed)) = s.releases.pop_front() else {
+                break;
+            };
+            newest = Some(lsn);
+            if !committed.is_empty() {
+                let now = crate::observe::now_us();
+                let latency = metrics::histogram!(crate::observe::COMMIT_TO_ACK);
+                for at in committed {
+                    latency.record((now - at).max(0) as f64 / 1e6);
+                }
+            }
+        }
+        if let Some(lsn) = newest {
+            self.confirmed.send_if_modified(|c| {
+                let moved = lsn > *c;
+                if moved {
+                    *c = lsn;
+                }
+                moved
+            });
         }
     }
 }
 
 impl Acks {
-    /// Starts the tracker; at most `capacity` entries wait at once, which
-    /// bounds memory and slows the reader when Kafka falls behind.
+    /// Starts the tracker; at most `capacity` messages await Kafka's
+    /// answer at once, which bounds memory and slows the reader when
+    /// Kafka falls behind.
     pub fn start(initial: u64, capacity: usize) -> Acks {
-        let (tx, mut rx) = mpsc::channel::<Pending>(capacity);
+        let capacity = capacity.max(1);
         let (confirmed_tx, confirmed) = watch::channel(initial);
         let (failed_tx, failed) = watch::channel(None);
-        tokio::spawn(async move {
-            while let Some(p) = rx.recv().await {
-                match p {
-                    Pending::Delivery(f) => match f.await {
-                        Ok(Ok(_)) => {}
-                        Ok(Err((e, _))) => {
-                            metrics::counter!(crate::observe::KAFKA_DELIVERY_ERRORS).increment(1);
-                            let _ = failed_tx.send(Some(format!("Kafka delivery failed: {e}")));
-                            return;
-                        }
-                        Err(_) => {
-                            let _ = failed_tx.send(Some("the producer was dropped".into()));
-                            return;
-                        }
-                    },
-                    Pending::Release(lsn, committed) => {
-                        confirmed_tx.send_if_modified(|c| {
-                            let moved = lsn > *c;
-                            if moved {
-                                *c = lsn;
-                            }
-                            moved
-                        });
-                        if !committed.is_empty() {
-                            let now = crate::observe::now_us();
-                            let latency = metrics::histogram!(crate::observe::COMMIT_TO_ACK);
-                            for at in committed {
-                                latency.record((now - at).max(0) as f64 / 1e6);
-                            }
-                        }
-                    }
-                }
-            }
+        let window = Arc::new(Window {
+            state: Mutex::new(WindowState {
+                next: 0,
+                acked: 0,
+                done: vec![false; capacity],
+                releases: VecDeque::new(),
+                failure: None,
+                waiting: false,
+            }),
+            room: Notify::new(),
+            capacity: capacity as u64,
+            confirmed: confirmed_tx,
+            failed: failed_tx,
         });
         Acks {
-            tx,
+            window,
             confirmed,
             failed,
         }
     }
 
-    /// Tracks one produced message.
-    pub async fn delivery(&self, f: DeliveryFuture) -> Result<(), String> {
-        self.tx
-            .send(Pending::Delivery(f))
-            .await
-            .map_err(|_| self.failure())
+    /// Produces one tracked message: it gates every release after it.
+    /// Waits while the window or librdkafka's queue is full.
+    pub async fn send(
+        &self,
+        producer: &Producer,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: Option<&[u8]>,
+        headers: Option<OwnedHeaders>,
+    ) -> Result<(), SendError> {
+        producer.begin()?;
+        let seq = self.window.ticket().await.map_err(SendError::Delivery)?;
+        let ticket = Ticket::Tracked(self.window.clone(), seq);
+        send(&producer.inner, topic, key, payload, headers, ticket).await?;
+        Ok(())
+    }
+
+    /// Tracks a message sent with [`Producer::send`].
+    pub async fn delivery(&self, f: Delivery) -> Result<(), String> {
+        let seq = self.window.ticket().await?;
+        let window = self.window.clone();
+        tokio::spawn(async move { window.complete(seq, f.await) });
+        Ok(())
     }
 
     /// Marks that everything tracked so far completes `lsn`.
-    pub async fn release(&self, lsn: u64) -> Result<(), String> {
-        self.release_committed(lsn, Vec::new()).await
+    pub fn release(&self, lsn: u64) -> Result<(), String> {
+        self.release_committed(lsn, Vec::new())
     }
 
     /// [`Acks::release`] for source transactions committed at `committed`
     /// (Unix µs): once acknowledged, their commit-to-ack latency is
     /// recorded.
-    pub async fn release_committed(&self, lsn: u64, committed: Vec<i64>) -> Result<(), String> {
-        self.tx
-            .send(Pending::Release(lsn, committed))
-            .await
-            .map_err(|_| self.failure())
+    pub fn release_committed(&self, lsn: u64, committed: Vec<i64>) -> Result<(), String> {
+        let mut s = self.window.lock();
+        if let Some(e) = &s.failure {
+            return Err(e.clone());
+        }
+        let mark = s.next;
+        // Releases at one mark coalesce, so they never outnumber the
+        // messages in flight.
+        match s.releases.back_mut() {
+            Some((m, l, c)) if *m == mark => {
+                *l = (*l).max(lsn);
+                c.extend(committed);
+            }
+            _ => s.releases.push_back((mark, lsn, committed)),
+        }
+        self.window.release_ready(&mut s);
+        Ok(())
     }
 
     /// The watermark: every message before it is acknowledged.
@@ -697,20 +906,12 @@ impl Acks {
         self.failed.clone()
     }
 
-    fn failure(&self) -> String {
-        self.failed
-            .borrow()
-            .clone()
-            .unwrap_or_else(|| "acknowledgement tracking stopped".into())
-    }
-
     /// Waits until everything tracked so far is acknowledged and returns
     /// the final watermark.
     pub async fn drain(self, last: u64) -> Result<u64, String> {
-        self.release(last).await?;
+        self.release(last)?;
         let mut confirmed = self.confirmed.clone();
         let mut failed = self.failed.clone();
-        drop(self.tx);
         loop {
             if *confirmed.borrow() >= last {
                 return Ok(*confirmed.borrow());
@@ -723,21 +924,101 @@ impl Acks {
                 r = failed.changed() => if r.is_err() { break },
             }
         }
-        if *confirmed.borrow() >= last {
-            Ok(*confirmed.borrow())
-        } else {
-            Err(self
-                .failed
-                .borrow()
-                .clone()
-                .unwrap_or_else(|| "acknowledgement tracking stopped".into()))
-        }
+        Err("acknowledgement tracking stopped".into())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ok(acks: &Acks, seq: u64) {
+        acks.window.complete(seq, Ok(()));
+    }
+
+    #[tokio::test]
+    async fn a_release_waits_for_every_earlier_message_acknowledged_in_any_order() {
+        let acks = Acks::start(7, 8);
+        let seqs: Vec<u64> = [
+            acks.window.ticket().await,
+            acks.window.ticket().await,
+            acks.window.ticket().await,
+        ]
+        .into_iter()
+        .map(|t| t.expect("room"))
+        .collect();
+        assert_eq!(seqs, [0, 1, 2]);
+        acks.release(100).expect("release");
+        // A later message does not hold back the earlier release.
+        let late = acks.window.ticket().await.expect("room");
+        acks.release(200).expect("release");
+        ok(&acks, 2);
+        ok(&acks, 0);
+        assert_eq!(
+            *acks.confirmed().borrow(),
+            7,
+            "message 1 is not acknowledged yet"
+        );
+        ok(&acks, 1);
+        assert_eq!(*acks.confirmed().borrow(), 100);
+        ok(&acks, late);
+        assert_eq!(*acks.confirmed().borrow(), 200);
+    }
+
+    #[tokio::test]
+    async fn the_watermark_never_moves_back_and_an_empty_release_is_immediate() {
+        let acks = Acks::start(0, 4);
+        acks.release(50).expect("release");
+        assert_eq!(*acks.confirmed().borrow(), 50);
+        acks.release(40).expect("release");
+        assert_eq!(*acks.confirmed().borrow(), 50);
+        // Releases at one mark coalesce to the highest.
+        let t = acks.window.ticket().await.expect("room");
+        acks.release(90).expect("release");
+        acks.release(80).expect("release");
+        assert_eq!(acks.window.lock().releases.len(), 1);
+        ok(&acks, t);
+        assert_eq!(*acks.confirmed().borrow(), 90);
+        assert_eq!(acks.drain(90).await, Ok(90));
+    }
+
+    #[tokio::test]
+    async fn a_failed_delivery_stops_every_later_release() {
+        let acks = Acks::start(0, 4);
+        let first = acks.window.ticket().await.expect("room");
+        acks.release(10).expect("release");
+        let second = acks.window.ticket().await.expect("room");
+        acks.release(20).expect("release");
+        acks.window.complete(first, Err(KafkaError::Canceled));
+        ok(&acks, second);
+        assert_eq!(*acks.confirmed().borrow(), 0);
+        let failure = acks.failed().borrow().clone().expect("a failure");
+        assert!(failure.contains("Kafka delivery failed"), "{failure}");
+        assert!(acks.release(30).is_err());
+        assert!(acks.window.ticket().await.is_err());
+        assert!(acks.drain(30).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_full_window_holds_senders_until_a_message_is_acknowledged() {
+        let acks = Arc::new(Acks::start(0, 2));
+        let a = acks.window.ticket().await.expect("room");
+        let _b = acks.window.ticket().await.expect("room");
+        let waiter = {
+            let acks = acks.clone();
+            tokio::spawn(async move { acks.window.ticket().await })
+        };
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "the window is full");
+        ok(&acks, a);
+        let c = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("woken")
+            .expect("task")
+            .expect("room");
+        assert_eq!(c, 2);
+    }
 
     #[test]
     fn murmur2_matches_kafka_reference_values() {

@@ -180,11 +180,8 @@ pub async fn write(
         .send(&topic(config), Some(key.as_bytes()), Some(&payload))
         .await
         .map_err(|e| e.to_string())?;
-    match f.await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err((e, _))) => Err(format!("snapshot marker not written: {e}")),
-        Err(_) => Err("snapshot marker not written: producer dropped".into()),
-    }
+    f.await
+        .map_err(|e| format!("snapshot marker not written: {e}"))
 }
 
 /// The latest marker of `slot`, reading the whole (compacted) topic.

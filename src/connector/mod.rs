@@ -92,6 +92,15 @@ pub enum RunError {
     Snapshot { table: String, message: String },
 }
 
+impl From<sink::SendError> for RunError {
+    fn from(e: sink::SendError) -> RunError {
+        match e {
+            sink::SendError::Kafka(e) => RunError::Kafka(e),
+            sink::SendError::Delivery(e) => RunError::Delivery(e),
+        }
+    }
+}
+
 /// `<prefix>.transaction`: BEGIN and END records of every transaction that
 /// changed a captured table.
 pub fn transaction_topic(config: &Config) -> String {
@@ -225,8 +234,10 @@ impl Output {
     /// Produces a BEGIN or END record on the transaction topic.
     async fn emit_transaction(&self, key: &[u8], value: &[u8]) -> Result<(), RunError> {
         let topic = transaction_topic(&self.config);
-        let f = self.producer.send(&topic, Some(key), Some(value)).await?;
-        self.acks.delivery(f).await.map_err(RunError::Delivery)
+        self.acks
+            .send(&self.producer, &topic, Some(key), Some(value), None)
+            .await?;
+        Ok(())
     }
 
     /// Produces one event (and its tombstone after a delete). A value the
@@ -311,14 +322,13 @@ impl Output {
             }
         }
         codec.meters.event(op, value.len());
-        let f = self
-            .producer
-            .send(topic, key.as_deref(), Some(&value))
+        self.acks
+            .send(&self.producer, topic, key.as_deref(), Some(&value), None)
             .await?;
-        self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         if op == Op::Delete && key.is_some() {
-            let f = self.producer.send(topic, key.as_deref(), None).await?;
-            self.acks.delivery(f).await.map_err(RunError::Delivery)?;
+            self.acks
+                .send(&self.producer, topic, key.as_deref(), None, None)
+                .await?;
         }
         Ok(())
     }
@@ -453,11 +463,16 @@ impl Output {
         self.ensure_domain_topic(&topic).await?;
         metrics::counter!(observe::OUTBOX_EVENTS, "table" => table.clone(), "topic" => topic.clone())
             .increment(1);
-        let f = self
-            .producer
-            .send_with_headers(&topic, key.as_deref(), value.as_deref(), headers)
+        self.acks
+            .send(
+                &self.producer,
+                &topic,
+                key.as_deref(),
+                value.as_deref(),
+                Some(headers),
+            )
             .await?;
-        self.acks.delivery(f).await.map_err(RunError::Delivery)
+        Ok(())
     }
 
     /// A topic no route may write to: a changelog, the transaction, dead-
@@ -551,11 +566,9 @@ impl Output {
                     value: v.as_deref(),
                 })
             });
-            let f = self
-                .producer
-                .send_with_headers(&dlq, key, Some(part), headers)
+            self.acks
+                .send(&self.producer, &dlq, key, Some(part), Some(headers))
                 .await?;
-            self.acks.delivery(f).await.map_err(RunError::Delivery)?;
         }
         Ok(())
     }
@@ -1349,7 +1362,6 @@ async fn run_snapshot(
     output
         .acks
         .release(consistent_point.0)
-        .await
         .map_err(RunError::Delivery)?;
     let mut confirmed = output.acks.confirmed();
     let mut failed = output.acks.failed();
@@ -1493,12 +1505,23 @@ async fn copy_chunk(
         snapshot: "true",
         table_order: 0,
     };
+    // Looked up once: the registry's look-up by labels costs more than
+    // the increment.
+    let counted = metrics::counter!(observe::SNAPSHOT_ROWS, "table" => table.clone());
     while let Some(chunk) = stream.next().await {
-        buf.extend_from_slice(&chunk?);
+        let chunk = chunk?;
+        // Postgres sends a row per message: whole lines are parsed where
+        // they arrived, and only a part line is carried over.
+        let data: &[u8] = if buf.is_empty() {
+            &chunk
+        } else {
+            buf.extend_from_slice(&chunk);
+            &buf
+        };
         let mut start = 0;
         let before = rows;
-        while let Some(nl) = buf[start..].iter().position(|&b| b == b'\n') {
-            line.parse(&buf[start..start + nl]);
+        while let Some(nl) = data[start..].iter().position(|&b| b == b'\n') {
+            line.parse(&data[start..start + nl]);
             let row: Vec<Input<'_>> = line
                 .fields()
                 .map(|f| f.map_or(Input::Null, Input::Text))
@@ -1510,9 +1533,10 @@ async fn copy_chunk(
                 progress.log(&table, rows, started);
             }
         }
-        buf.drain(..start);
-        metrics::counter!(observe::SNAPSHOT_ROWS, "table" => table.clone())
-            .increment(rows - before);
+        let rest = data[start..].to_vec();
+        buf.clear();
+        buf.extend_from_slice(&rest);
+        counted.increment(rows - before);
         progress.add(&table, rows - before);
     }
     client.batch_execute("COMMIT").await?;
@@ -1589,7 +1613,6 @@ impl Release {
             output
                 .acks
                 .release_committed(lsn, committed)
-                .await
                 .map_err(RunError::Delivery)?;
         }
         Ok(())
