@@ -751,7 +751,11 @@ async fn a_lost_target_connection_is_retried_and_nothing_is_lost() {
     )
     .await;
     // Cut the materializer's target connection, three times, mid-stream.
-    for _ in 0..3 {
+    // After each cut a change of our own must be applied, so the cut
+    // connection is used again even when the workload has already ended
+    // (a materializer that keeps up could otherwise meet no cut at all).
+    for round in 0..3 {
+        let before = counter(&addr, "pgcdc_materialize_applied_total").await;
         target
             .execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
@@ -760,7 +764,20 @@ async fn a_lost_target_connection_is_retried_and_nothing_is_lost() {
             )
             .await
             .expect("terminate");
-        tokio::time::sleep(Duration::from_millis(1500)).await;
+        source
+            .execute(
+                "UPDATE customers SET name = name || $1 WHERE id = (SELECT min(id) FROM customers)",
+                &[&format!(" cut {round}")],
+            )
+            .await
+            .expect("a change after the cut");
+        wait_counter(
+            &addr,
+            "pgcdc_materialize_applied_total",
+            Duration::from_secs(120),
+            |v| v > before,
+        )
+        .await;
     }
     work.await.expect("workload");
     wait_converged(&source, &target).await;
