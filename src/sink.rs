@@ -88,6 +88,14 @@ pub fn refused(e: &KafkaError) -> bool {
     )
 }
 
+/// librdkafka's `linger.ms` for changes when the user sets none: a
+/// change waits at most this long for others to share its batch.
+const STREAM_LINGER_MS: &str = "5";
+/// `linger.ms` of the snapshot's producer when the user sets none. Rows
+/// are produced as fast as they are copied, and fuller batches cost the
+/// broker (and librdkafka) less per message: with 5 ms the broker spent
+/// 2.6 times the CPU per row that it spends on full batches.
+pub const BULK_LINGER_MS: &str = "100";
 /// Producer queue bound when the user sets none: 64 MiB.
 pub const DEFAULT_QUEUE_KBYTES: &str = "65536";
 /// Kafka transaction timeout when the user sets none: 15 minutes, the
@@ -121,13 +129,28 @@ impl Producer {
         kafka: &KafkaConfig,
         transactional_id: Option<&str>,
     ) -> Result<Producer, KafkaError> {
+        Self::create_lingering(kafka, transactional_id, STREAM_LINGER_MS).await
+    }
+
+    /// The idempotent producer for bulk copies (the initial snapshot),
+    /// never transactional: it waits [`BULK_LINGER_MS`] to fill batches
+    /// unless the user set `linger.ms`.
+    pub async fn create_bulk(kafka: &KafkaConfig) -> Result<Producer, KafkaError> {
+        Self::create_lingering(kafka, None, BULK_LINGER_MS).await
+    }
+
+    async fn create_lingering(
+        kafka: &KafkaConfig,
+        transactional_id: Option<&str>,
+        linger_ms: &str,
+    ) -> Result<Producer, KafkaError> {
         let mut cc = client_config(kafka);
         cc.set("enable.idempotence", "true")
             .set("acks", "all")
             // Java's partitioner: murmur2 of the key bytes; random for null keys.
             .set("partitioner", "murmur2_random");
         if !kafka.properties.0.contains_key("linger.ms") {
-            cc.set("linger.ms", "5");
+            cc.set("linger.ms", linger_ms);
         }
         // Room for a record of max_message_bytes and its headers; larger
         // ones are quarantined before they reach librdkafka.

@@ -1301,6 +1301,18 @@ async fn run_snapshot(
         plans.push(plan_table(output, snapshot_name, table).await?);
     }
     let progress = Progress::new(&plans);
+    // At least once, the rows go through a producer of their own that
+    // fills larger batches; exactly once, they must share the Kafka
+    // transaction of the marker and the offset record.
+    let bulk = if output.producer.is_transactional() {
+        output.clone()
+    } else {
+        Output {
+            producer: sink::Producer::create_bulk(&config.kafka).await?,
+            ..output.clone()
+        }
+    };
+    let output = &bulk;
     let limit = Arc::new(tokio::sync::Semaphore::new(config.source.snapshot.workers));
     let mut tasks = tokio::task::JoinSet::new();
     for plan in &plans {
