@@ -95,7 +95,7 @@ const STREAM_LINGER_MS: &str = "5";
 /// are produced as fast as they are copied, and fuller batches cost the
 /// broker (and librdkafka) less per message: with 5 ms the broker spent
 /// 2.6 times the CPU per row that it spends on full batches.
-pub const BULK_LINGER_MS: &str = "100";
+const BULK_LINGER_MS: &str = "100";
 /// Producer queue bound when the user sets none: 64 MiB.
 pub const DEFAULT_QUEUE_KBYTES: &str = "65536";
 /// Kafka transaction timeout when the user sets none: 15 minutes, the
