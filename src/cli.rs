@@ -25,8 +25,18 @@ Exit codes: 0 ok, 1 failure, 2 a check or requirement did not hold.\n\
 Logging: RUST_LOG (default info). Row values are never logged."
 )]
 pub struct Cli {
+    /// Log lines as `text` (for people) or `json` (one object per line,
+    /// for log shippers). Row values and secrets are never logged.
+    #[arg(long, global = true, env = "PGCDC_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Debug, Subcommand)]
@@ -230,9 +240,10 @@ pub struct DlqMove {
 pub struct RunArgs {
     #[command(flatten)]
     pub config: ConfigArg,
-    /// Serve Prometheus metrics at http://ADDR/metrics.
-    #[arg(long, env = "PGCDC_METRICS_ADDR")]
-    pub metrics_addr: Option<SocketAddr>,
+    /// Serve the admin endpoints on ADDR: /metrics (Prometheus), /healthz,
+    /// /readyz, /status (JSON) and the status page at /.
+    #[arg(long, env = "PGCDC_HTTP_ADDR", alias = "metrics-addr")]
+    pub http_addr: Option<SocketAddr>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -662,8 +673,10 @@ async fn tail(args: &TailArgs) -> Result<u8, Failure> {
 
 async fn run(args: &RunArgs) -> Result<u8, Failure> {
     let config = load(&args.config).map_err(config_failure)?;
-    if let Some(addr) = args.metrics_addr {
-        crate::observe::install(addr).map_err(Failure)?;
+    if let Some(addr) = args.http_addr {
+        crate::observe::server::start(addr, crate::observe::board::Role::Connector, &config)
+            .await
+            .map_err(Failure)?;
     }
     on_worker(crate::connector::run(config)).await??;
     Ok(exit::OK)
@@ -684,8 +697,10 @@ async fn on_worker<T: Send + 'static>(
 
 async fn materialize(args: &RunArgs) -> Result<u8, Failure> {
     let config = load(&args.config).map_err(config_failure)?;
-    if let Some(addr) = args.metrics_addr {
-        crate::observe::install(addr).map_err(Failure)?;
+    if let Some(addr) = args.http_addr {
+        crate::observe::server::start(addr, crate::observe::board::Role::Materializer, &config)
+            .await
+            .map_err(Failure)?;
     }
     on_worker(crate::materialize::run(config)).await??;
     Ok(exit::OK)

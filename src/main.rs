@@ -13,16 +13,16 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let parsed = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                // Postgres NOTICEs ("already exists, skipping") are noise.
-                .unwrap_or_else(|_| {
-                    tracing_subscriber::EnvFilter::new("info,tokio_postgres::connection=warn")
-                }),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        // Postgres NOTICEs ("already exists, skipping") are noise.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres::connection=warn"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match parsed.log_format {
+        cli::LogFormat::Text => logs.init(),
+        cli::LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     match tokio::runtime::Runtime::new() {
         Ok(runtime) => exit::code(runtime.block_on(cli::execute(parsed.command))),
         Err(e) => {

@@ -434,7 +434,7 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
     let config = ConfigFile::write(&toml);
     let metrics_port = support::free_port();
     let metrics_addr = format!("127.0.0.1:{metrics_port}");
-    let connector = ConnectorProcess::start_with(&config, &["--metrics-addr", &metrics_addr]);
+    let connector = ConnectorProcess::start_with(&config, &["--http-addr", &metrics_addr]);
     support::wait_streaming(&client, &db.name).await;
 
     // Busy WAL that the captured table did not write.

@@ -158,7 +158,7 @@ async fn items(stack: &Stack, prefix: &str, dlq: &str) -> Items {
     let config = ConfigFile::write(&base);
     let connector = ConnectorProcess::start(&config);
     let addr = format!("127.0.0.1:{}", support::free_port());
-    let m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    let m = materializer(&config, &["--http-addr", &addr], &[]);
     wait_equal(&source, &target_db.url).await;
     Items {
         source_db,

@@ -386,15 +386,15 @@ async fn two_materializers_in_one_group_never_both_apply_a_change() {
         format!("127.0.0.1:{}", support::free_port()),
         format!("127.0.0.1:{}", support::free_port()),
     );
-    let a = materializer(&config, &["--metrics-addr", &a_addr], &[]);
+    let a = materializer(&config, &["--http-addr", &a_addr], &[]);
     let work = background_workload(&source_db.url, 10_000, 0x0123_4567_89ab_cdef);
     // B joins mid-stream, and a third instance comes and goes: each join
     // and leave is a rebalance while changes flow.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let b = materializer(&config, &["--metrics-addr", &b_addr], &[]);
+    let b = materializer(&config, &["--http-addr", &b_addr], &[]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let c_addr = format!("127.0.0.1:{}", support::free_port());
-    let c = materializer(&config, &["--metrics-addr", &c_addr], &[]);
+    let c = materializer(&config, &["--http-addr", &c_addr], &[]);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let c_applied = counter(&c_addr, "pgcdc_materialize_applied_total").await;
     let c_skips = counter(&c_addr, "pgcdc_materialize_bloom_skips_total").await;
@@ -584,7 +584,7 @@ async fn redis_outage(policy: &str, prefix: &str) {
     ));
     let connector = ConnectorProcess::start(&config);
     let addr = format!("127.0.0.1:{}", support::free_port());
-    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    let mut m = materializer(&config, &["--http-addr", &addr], &[]);
     wait_converged(&source, &target).await;
     assert_eq!(counter(&addr, "pgcdc_materialize_fast_tier_up").await, 1.0);
     assert!(redis.keys().await > 0, "nothing reached the shared tier");
@@ -655,7 +655,7 @@ async fn replay(config: &ConfigFile, group: &str, events: usize) -> (f64, f64, f
     let addr = format!("127.0.0.1:{}", support::free_port());
     let m = materializer(
         config,
-        &["--metrics-addr", &addr],
+        &["--http-addr", &addr],
         &[("PGCDC__TARGET__GROUP_ID", group)],
     );
     let handled = |addr: String| async move {
@@ -741,7 +741,7 @@ async fn a_lost_target_connection_is_retried_and_nothing_is_lost() {
     let config = ConfigFile::write(&pipeline(&stack, &source_db, &target_db));
     let connector = ConnectorProcess::start(&config);
     let addr = format!("127.0.0.1:{}", support::free_port());
-    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    let mut m = materializer(&config, &["--http-addr", &addr], &[]);
     let work = background_workload(&source_db.url, 5_000, 0x1357_9bdf_2468_ace0);
     wait_counter(
         &addr,
@@ -824,7 +824,7 @@ async fn changes_the_target_rejects_are_dead_lettered_and_the_partition_moves_on
     ));
     let connector = ConnectorProcess::start(&config);
     let addr = format!("127.0.0.1:{}", support::free_port());
-    let mut m = materializer(&config, &["--metrics-addr", &addr], &[]);
+    let mut m = materializer(&config, &["--http-addr", &addr], &[]);
     wait_converged(&source, &target).await;
     // A rule of the target's that the source does not have.
     target

@@ -117,7 +117,7 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
             "materialize",
             "--config",
             config.arg(),
-            "--metrics-addr",
+            "--http-addr",
             &metrics,
         ])
         .stderr(std::fs::File::create(&log_path).expect("log file"))

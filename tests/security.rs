@@ -195,14 +195,14 @@ async fn the_pipeline_runs_under_least_privilege_roles_and_never_shows_a_secret(
         "run",
         "--config",
         config.arg(),
-        "--metrics-addr",
+        "--http-addr",
         &connector_metrics,
     ]);
     let materializer = Logged::start(&[
         "materialize",
         "--config",
         config.arg(),
-        "--metrics-addr",
+        "--http-addr",
         &materializer_metrics,
     ]);
     support::wait_snapshot_completed(&parsed).await;

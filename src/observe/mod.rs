@@ -1,9 +1,19 @@
-//! Prometheus metrics: names, labels, and the exporter.
+//! What an operator sees: metric names and labels, the alerts, and the
+//! admin server that serves them (`--http-addr`: `/metrics`, `/healthz`,
+//! `/readyz`, `/status`, and the status page at `/`).
 //!
 //! Guarantee: metric names are the constants below, labels are low
-//! cardinality (table, operation), and no row value is ever a label.
+//! cardinality (table, operation, topic, alert), and no row value is ever
+//! a label, a figure or a line of the page.
 
-use std::net::SocketAddr;
+pub mod board;
+pub mod page;
+pub mod scrape;
+pub mod server;
+
+/// Alert conditions, one series each: 1 while firing, 0 otherwise, by
+/// `alert` (see [`Alert`]).
+pub const ALERT: &str = "pgcdc_alert";
 
 /// Connector restarts after an outage, by `cause` (source, broker, registry).
 pub const CONNECTOR_RESTARTS: &str = "pgcdc_connector_restarts_total";
@@ -13,6 +23,9 @@ pub const EVENTS: &str = "pgcdc_events_total";
 pub const EVENT_BYTES: &str = "pgcdc_event_bytes_total";
 /// Snapshot rows copied, by `table`.
 pub const SNAPSHOT_ROWS: &str = "pgcdc_snapshot_rows_total";
+/// The planner's row estimate of a table when its snapshot began, by
+/// `table` (progress is rows copied over it).
+pub const SNAPSHOT_ROWS_ESTIMATED: &str = "pgcdc_snapshot_rows_estimated";
 /// Seconds from a source transaction's commit to Kafka's acknowledgement
 /// of its last event (a summary: p50, p99, max over a sliding minute).
 pub const COMMIT_TO_ACK: &str = "pgcdc_commit_to_ack_seconds";
@@ -27,9 +40,10 @@ pub const REPLICATION_LAG_BYTES: &str = "pgcdc_replication_lag_bytes";
 pub const KAFKA_DELIVERY_ERRORS: &str = "pgcdc_kafka_delivery_errors_total";
 /// Kafka transactions committed (exactly-once mode).
 pub const KAFKA_TRANSACTIONS: &str = "pgcdc_kafka_transactions_total";
-/// Changes the materializer applied to a mirror.
+/// Changes the materializer applied to a mirror, by source `table`.
 pub const MATERIALIZE_APPLIED: &str = "pgcdc_materialize_applied_total";
-/// Changes skipped because their position was already applied.
+/// Changes skipped because their position was already applied, by source
+/// `table`.
 pub const MATERIALIZE_DUPLICATES: &str = "pgcdc_materialize_duplicates_total";
 /// Duplicates recognised by the in-process tier, without a database look-up.
 pub const MATERIALIZE_FAST_TIER_HITS: &str = "pgcdc_materialize_fast_tier_hits_total";
@@ -140,18 +154,95 @@ pub fn now_us() -> i64 {
         .map_or(0, |d| d.as_micros() as i64)
 }
 
-/// Serves `/metrics` on `addr`.
-pub fn install(addr: SocketAddr) -> Result<(), String> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| format!("cannot serve metrics on {addr}: {e}"))?;
-    describe();
-    tracing::info!(%addr, "metrics at http://{addr}/metrics");
-    Ok(())
+/// A documented alert condition. Each is exported as
+/// `pgcdc_alert{alert=NAME}` (1 while it holds) and logged as a warning
+/// when it begins; `deploy/prometheus/alerts.yml` has a rule for each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Alert {
+    SlotStalled,
+    SlotWalAtRisk,
+    RebuildReachShort,
+    DlqArrivalBurst,
+    DlqOldestOverdue,
+}
+
+impl Alert {
+    pub const ALL: [Alert; 5] = [
+        Alert::SlotStalled,
+        Alert::SlotWalAtRisk,
+        Alert::RebuildReachShort,
+        Alert::DlqArrivalBurst,
+        Alert::DlqOldestOverdue,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Alert::SlotStalled => "slot_stalled",
+            Alert::SlotWalAtRisk => "slot_wal_at_risk",
+            Alert::RebuildReachShort => "rebuild_reach_short",
+            Alert::DlqArrivalBurst => "dlq_arrival_burst",
+            Alert::DlqOldestOverdue => "dlq_oldest_overdue",
+        }
+    }
+
+    /// When it fires, in an operator's words.
+    pub fn condition(self) -> &'static str {
+        match self {
+            Alert::SlotStalled => {
+                "the slot's confirmed LSN has not moved for source.stall_warning_secs while WAL grows"
+            }
+            Alert::SlotWalAtRisk => {
+                "the slot retains more than source.retained_wal_warning_bytes of WAL, or its wal_status is not reserved"
+            }
+            Alert::RebuildReachShort => {
+                "a read model's rebuild reach is shorter than its require_reach"
+            }
+            Alert::DlqArrivalBurst => {
+                "dead letters arrive above dlq.health.arrival_factor times their baseline"
+            }
+            Alert::DlqOldestOverdue => {
+                "the oldest open dead letter has waited longer than dlq.health.max_oldest_age"
+            }
+        }
+    }
+
+    /// The README heading that says what to do.
+    pub fn runbook(self) -> &'static str {
+        match self {
+            Alert::SlotStalled => "Runbook: a slot stall",
+            Alert::SlotWalAtRisk => "Runbook: an invalidated slot",
+            Alert::RebuildReachShort => "Runbook: rebuilding a read model",
+            Alert::DlqArrivalBurst | Alert::DlqOldestOverdue => "Runbook: a poison message",
+        }
+    }
+
+    /// The process that evaluates it.
+    pub fn role(self) -> board::Role {
+        match self {
+            Alert::SlotStalled | Alert::SlotWalAtRisk => board::Role::Connector,
+            _ => board::Role::Materializer,
+        }
+    }
+
+    pub fn set(self, firing: bool) {
+        metrics::gauge!(ALERT, "alert" => self.name()).set(if firing { 1.0 } else { 0.0 });
+    }
+
+    /// Every alert of `role` at 0, so that a rule sees the series before
+    /// the first evaluation.
+    pub fn reset_for(role: board::Role) {
+        for a in Alert::ALL.into_iter().filter(|a| a.role() == role) {
+            a.set(false);
+        }
+    }
 }
 
 fn describe() {
+    metrics::describe_gauge!(ALERT, "1 while the alert's condition holds, by alert");
+    metrics::describe_gauge!(
+        SNAPSHOT_ROWS_ESTIMATED,
+        "The planner's row estimate of a table when its snapshot began"
+    );
     metrics::describe_counter!(EVENTS, "Change events produced, by table and op");
     metrics::describe_counter!(EVENT_BYTES, "Bytes of Avro payload produced, by table");
     metrics::describe_counter!(SNAPSHOT_ROWS, "Snapshot rows copied, by table");
