@@ -375,6 +375,10 @@ pub struct SourceConfig {
     /// while WAL grows.
     #[serde(default = "default_stall_secs")]
     pub stall_warning_secs: u64,
+    /// Alert (`slot_wal_at_risk`) when the slot retains more WAL than this
+    /// many bytes (current LSN minus `restart_lsn`).
+    #[serde(default = "default_retained_wal_warning_bytes")]
+    pub retained_wal_warning_bytes: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -432,6 +436,12 @@ fn default_heartbeat_secs() -> u64 {
 }
 fn default_stall_secs() -> u64 {
     DEFAULT_STALL_SECS
+}
+/// 1 GiB: far above what a healthy slot keeps between heartbeats, far
+/// below a typical `max_slot_wal_keep_size` or free disk.
+pub const DEFAULT_RETAINED_WAL_WARNING_BYTES: u64 = 1 << 30;
+fn default_retained_wal_warning_bytes() -> u64 {
+    DEFAULT_RETAINED_WAL_WARNING_BYTES
 }
 fn default_snapshot_workers() -> usize {
     DEFAULT_SNAPSHOT_WORKERS
@@ -827,6 +837,11 @@ impl Config {
         v.check(
             src.stall_warning_secs > 0,
             "source.stall_warning_secs",
+            "must be greater than 0",
+        );
+        v.check(
+            src.retained_wal_warning_bytes > 0,
+            "source.retained_wal_warning_bytes",
             "must be greater than 0",
         );
         v.check(

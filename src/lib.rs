@@ -56,6 +56,7 @@ impl Shutdown {
             _ = self.term.recv() => {},
             _ = self.int.recv() => {},
         }
+        crate::observe::board::set_phase(crate::observe::board::Phase::Stopping);
         tracing::info!("shutdown requested");
     }
 }

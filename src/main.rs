@@ -15,7 +15,9 @@ fn main() -> ExitCode {
     let parsed = Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         // Postgres NOTICEs ("already exists, skipping") are noise.
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,tokio_postgres::connection=warn"));
+        .unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new("info,tokio_postgres::connection=warn")
+        });
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use apache_avro::types::Value;
 
+use crate::operator::{alert, http_get, wait_ready, wait_until};
 use crate::support::{
     self, confirmed_reached, insert_lsn, ConfigFile, ConnectorProcess, Decoder, TestDb,
 };
@@ -995,38 +996,34 @@ async fn a_connector_stopped_during_its_initial_snapshot_exits_at_once_and_takes
 }
 
 #[tokio::test]
-async fn a_frozen_broker_stalls_the_slot_with_a_warning_and_nothing_is_lost() {
+async fn a_frozen_broker_stalls_the_slot_with_alerts_and_nothing_is_lost() {
     let stack = support::stack();
     let broker = support::PrivateBroker::start(&stack);
     let db = TestDb::create(&stack, "run_stall").await;
     let client = db.client().await;
     client
-        .batch_execute("CREATE TABLE public.t (id bigint PRIMARY KEY)")
+        .batch_execute(
+            "CREATE TABLE public.t (id bigint PRIMARY KEY);
+             CREATE TABLE public.filler (v text)",
+        )
         .await
         .expect("table");
     let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.t"])
         .replace(&stack.brokers, &broker.address)
         .replace(
             "tables = [",
-            "heartbeat_interval_secs = 1\nstall_warning_secs = 2\ntables = [",
+            "heartbeat_interval_secs = 1\nstall_warning_secs = 2\nretained_wal_warning_bytes = 8388608\ntables = [",
         );
     let config = ConfigFile::write(&toml);
-    let log = tempfile::NamedTempFile::new().expect("log");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
-        .args(["run", "--config", config.arg()])
-        .stderr(log.reopen().expect("log"))
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn");
-    // The slot is held from its creation on; wait for the stream itself.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    while !std::fs::read_to_string(log.path())
-        .unwrap_or_default()
-        .contains("streaming")
-    {
-        assert!(std::time::Instant::now() < deadline, "never streaming");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let connector = ConnectorProcess::start_with(&config, &["--http-addr", &addr]);
+    wait_ready(&addr).await;
+    // Healthy: both slot alerts exported at 0.
+    wait_until("slot alerts at 0", async || {
+        alert(&addr, "slot_stalled").await == Some(0.0)
+            && alert(&addr, "slot_wal_at_risk").await == Some(0.0)
+    })
+    .await;
 
     broker.freeze();
     let before = insert_lsn(&client).await;
@@ -1034,23 +1031,46 @@ async fn a_frozen_broker_stalls_the_slot_with_a_warning_and_nothing_is_lost() {
         .batch_execute("INSERT INTO public.t SELECT generate_series(1, 100)")
         .await
         .expect("insert");
-    // While Kafka cannot acknowledge, the slot must not move past the rows.
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let logged = std::fs::read_to_string(log.path()).unwrap_or_default();
-        if logged.contains("has not moved while WAL grows") {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no stall warning:\n{logged}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    // WAL grows past the 8 MiB threshold while nothing can be confirmed.
+    for _ in 0..4 {
+        client
+            .batch_execute(
+                "INSERT INTO public.filler SELECT repeat('x', 1000) FROM generate_series(1, 4000)",
+            )
+            .await
+            .expect("filler");
+    }
+    // While Kafka cannot acknowledge, the slot must not move past the rows,
+    // and both alerts fire, each with its warning.
+    wait_until("slot_stalled and slot_wal_at_risk firing", async || {
+        alert(&addr, "slot_stalled").await == Some(1.0)
+            && alert(&addr, "slot_wal_at_risk").await == Some(1.0)
+    })
+    .await;
+    let logged = connector.log();
+    for line in [
+        "alert slot_stalled: the slot's confirmed LSN has not moved while WAL grows",
+        "alert slot_wal_at_risk",
+    ] {
+        assert!(logged.contains(line), "no {line:?} in the log:\n{logged}");
     }
     let after_insert = insert_lsn(&client).await;
     assert!(
         !confirmed_reached(&client, &db.name, &after_insert).await,
         "the slot advanced past rows Kafka never acknowledged (from {before})"
+    );
+    // The page says so too (it samples every 2 s).
+    wait_until("the stall banner on the page", async || {
+        let page = http_get(&addr, "/").await.1;
+        page.contains("id=\"stall-warning\"") && page.contains("data-alert=\"slot_wal_at_risk\"")
+    })
+    .await;
+    let status: serde_json::Value =
+        serde_json::from_str(&http_get(&addr, "/status").await.1).expect("status");
+    assert_eq!(status["slot"]["stalled"], true, "{status}");
+    assert!(
+        status["slot"]["retained_wal_bytes"].as_f64() > Some(8388608.0),
+        "{status}"
     );
 
     broker.thaw();
@@ -1062,6 +1082,18 @@ async fn a_frozen_broker_stalls_the_slot_with_a_warning_and_nothing_is_lost() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Confirmed again: the stall clears at once; the retained WAL once
+    // restart_lsn follows (a checkpoint logs what it needs).
+    wait_until("slot_stalled cleared", async || {
+        alert(&addr, "slot_stalled").await == Some(0.0)
+    })
+    .await;
+    let admin = support::connect(&stack.admin_url).await;
+    wait_until("slot_wal_at_risk cleared", async || {
+        let _ = admin.batch_execute("CHECKPOINT").await;
+        alert(&addr, "slot_wal_at_risk").await == Some(0.0)
+    })
+    .await;
     let private = support::Stack {
         brokers: broker.address.clone(),
         ..stack.clone()
@@ -1074,15 +1106,6 @@ async fn a_frozen_broker_stalls_the_slot_with_a_warning_and_nothing_is_lost() {
     )
     .await;
     assert_eq!(records.len(), 100);
-    if let Some(pid) = child.id() {
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status();
-    }
-    let status = tokio::time::timeout(Duration::from_secs(30), child.wait())
-        .await
-        .expect("stop")
-        .expect("wait");
-    assert_eq!(status.code(), Some(0));
+    assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }

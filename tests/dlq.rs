@@ -8,6 +8,7 @@ use std::time::Duration;
 use serde_json::Value as Json;
 
 use crate::materialize::{counter, materializer, terminate, wait_counter};
+use crate::operator::alert;
 use crate::support::{self, ConfigFile, ConnectorProcess, Stack, TestDb};
 
 const ITEMS: &str = "
@@ -1497,5 +1498,108 @@ async fn a_later_change_leaving_a_toasted_column_unchanged_waits_behind_the_dead
         .expect("mirror")
         .get(0);
     assert_eq!(got, want, "the mirror kept a stale body");
+    finish(Some(m), connector, source_db, target_db).await;
+}
+
+#[tokio::test]
+async fn dead_letter_alerts_fire_on_a_burst_and_on_an_overdue_message() {
+    let stack = support::stack();
+    let Items {
+        source_db,
+        target_db,
+        config,
+        connector,
+        m,
+        addr,
+        ..
+    } = items(
+        &stack,
+        "dlq_alerts",
+        "check_interval_secs = 1\n[dlq.health]\nmin_arrivals = 3\nmax_oldest_age = \"6s\"",
+    )
+    .await;
+    // Calm first: both alerts exported, neither firing.
+    wait_for(
+        "both dead-letter alerts at 0",
+        Duration::from_secs(60),
+        async || {
+            alert(&addr, "dlq_arrival_burst").await == Some(0.0)
+                && alert(&addr, "dlq_oldest_overdue").await == Some(0.0)
+        },
+    )
+    .await;
+    let topic = format!("{}.public.items", source_db.name);
+    for i in 0..3u8 {
+        produce(&stack, &topic, Some(b"poison"), &[0xff, i, 0x13, 0x37]).await;
+    }
+    // Three arrivals in the last hour on a baseline of 0: a burst. The
+    // oldest is young yet, so not overdue.
+    wait_for(
+        "dlq_arrival_burst firing",
+        Duration::from_secs(60),
+        async || alert(&addr, "dlq_arrival_burst").await == Some(1.0),
+    )
+    .await;
+    let oldest_age = counter(&addr, "pgcdc_dlq_oldest_open_age_seconds").await;
+    if oldest_age < 5.0 {
+        assert_eq!(alert(&addr, "dlq_oldest_overdue").await, Some(0.0));
+    }
+    // Nobody addresses them: after 6 s the oldest is overdue.
+    wait_for(
+        "dlq_oldest_overdue firing",
+        Duration::from_secs(60),
+        async || alert(&addr, "dlq_oldest_overdue").await == Some(1.0),
+    )
+    .await;
+    // The status (sampled every 2 s) says the same.
+    let firing = |status: &Json| -> Vec<String> {
+        status["alerts"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|a| a["firing"] == true)
+                    .filter_map(|a| a["alert"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut status = Json::Null;
+    wait_for(
+        "both alerts in /status",
+        Duration::from_secs(30),
+        async || {
+            let (_, body) = crate::operator::http_get(&addr, "/status").await;
+            status = serde_json::from_str(&body).unwrap_or(Json::Null);
+            firing(&status) == ["dlq_arrival_burst", "dlq_oldest_overdue"]
+        },
+    )
+    .await;
+    assert_eq!(status["dead_letters"]["open"], 3.0, "{status}");
+    // No read model asks for a reach here: that alert stays quiet.
+    assert_eq!(alert(&addr, "rebuild_reach_short").await, Some(0.0));
+    // Archived, they stop counting: both alerts clear.
+    for id in ids(&list(&config, &[]).await) {
+        let s = id.to_string();
+        let run = dlq_cmd(
+            &config,
+            "review",
+            &[&s, "--actor", "ops", "--reason", "noise"],
+        )
+        .await;
+        assert_eq!(run.code, 0, "{}", run.all_output());
+        let run = dlq_cmd(
+            &config,
+            "archive",
+            &[&s, "--actor", "ops", "--reason", "noise"],
+        )
+        .await;
+        assert_eq!(run.code, 0, "{}", run.all_output());
+    }
+    wait_for(
+        "dlq_oldest_overdue cleared",
+        Duration::from_secs(60),
+        async || alert(&addr, "dlq_oldest_overdue").await == Some(0.0),
+    )
+    .await;
     finish(Some(m), connector, source_db, target_db).await;
 }

@@ -13,6 +13,7 @@ mod identifiers;
 mod incremental;
 mod ledger;
 mod materialize;
+mod operator;
 mod registry;
 mod retention;
 mod security;

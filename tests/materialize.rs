@@ -261,17 +261,9 @@ pub(crate) async fn terminate(mut child: tokio::process::Child) -> Option<i32> {
         .code()
 }
 
-/// A counter from a Prometheus text page (0 when absent).
+/// A metric summed over its labels (0 while the endpoint is not up).
 pub(crate) async fn counter(addr: &str, name: &str) -> f64 {
-    let Ok(r) = reqwest::get(format!("http://{addr}/metrics")).await else {
-        return 0.0;
-    };
-    let text = r.text().await.unwrap_or_default();
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+    samples(addr, name).await.iter().map(|(_, v)| v).sum()
 }
 
 #[tokio::test]

@@ -213,10 +213,16 @@ async fn an_untouched_log_has_full_history_since_the_snapshot_and_rebuilds_a_rea
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+    // One read model short of its requirement: the alert fires.
+    assert_eq!(
+        crate::operator::alert(&metrics, "rebuild_reach_short").await,
+        Some(1.0)
+    );
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(
-        log.lines()
-            .any(|l| l.contains("below its requirement") && l.contains("order_summary")),
+        log.lines().any(|l| l.contains("alert rebuild_reach_short")
+            && l.contains("below its requirement")
+            && l.contains("order_summary")),
         "no warning in the materializer's log:\n{log}"
     );
     // A rebuild while the materializer and the workload run: the swap

@@ -769,6 +769,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         }
         metrics::counter!(observe::CONNECTOR_RESTARTS, "cause" => cause).increment(1);
         tracing::warn!(%error, cause, retry_in_ms = backoff.as_millis() as u64, "the connector lost a service it needs; restarting from the slot's confirmed LSN");
+        observe::board::set_phase(observe::board::Phase::Restarting);
         tokio::select! {
             _ = shutdown.requested() => return Ok(()),
             _ = tokio::time::sleep(backoff) => {}
@@ -778,6 +779,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
 }
 
 async fn run_once(config: Arc<Config>, shutdown: &mut crate::Shutdown) -> Result<(), RunError> {
+    observe::board::set_phase(observe::board::Phase::Starting);
     // Nothing start-up wrote is confirmed yet, so a stop there needs no
     // drain: an interrupted snapshot is taken again at the next start (its
     // marker still says `started`), and an open Kafka transaction is fenced
@@ -1019,6 +1021,7 @@ async fn prepare(config: Arc<Config>) -> Result<Ready, RunError> {
         }
         if snapshot {
             let name = field(2).ok_or_else(|| RunError::Config("no exported snapshot".into()))?;
+            observe::board::set_phase(observe::board::Phase::Snapshot);
             let (snapshot_codecs, rows, chunks) =
                 run_snapshot(&output, &name, consistent_point).await?;
             codecs = snapshot_codecs;
@@ -1177,6 +1180,7 @@ async fn plan_table(
         )
         .await?
         .get(0);
+    metrics::gauge!(observe::SNAPSHOT_ROWS_ESTIMATED, "table" => table.to_string()).set(estimate);
     let chunk_rows = output.config.source.snapshot.chunk_rows as f64;
     let n = (estimate / chunk_rows).ceil().max(1.0) as i64;
     let qualified = format!(
@@ -1709,7 +1713,11 @@ async fn stream(
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut group_tick = tokio::time::interval(release.interval);
     group_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut stall = Stall::new(Duration::from_secs(src.stall_warning_secs));
+    let mut stall = Stall::new(
+        Duration::from_secs(src.stall_warning_secs),
+        src.retained_wal_warning_bytes,
+    );
+    observe::board::set_phase(observe::board::Phase::Streaming);
     loop {
         snapshots.schedule(output, sql).await?;
         tokio::select! {
@@ -1833,44 +1841,84 @@ async fn stream(
     }
 }
 
-/// Detects a slot whose confirmed LSN stands still while WAL grows.
+/// Watches the slot at every heartbeat tick and raises two alerts, each
+/// with one warning log at its onset:
+/// - `slot_stalled`: the confirmed LSN has not moved for `after` while WAL
+///   grew;
+/// - `slot_wal_at_risk`: the slot retains more than `wal_limit` bytes, or
+///   its `wal_status` is not `reserved` (Postgres may remove WAL it needs).
 struct Stall {
     after: Duration,
+    wal_limit: u64,
     last_confirmed: u64,
     since: std::time::Instant,
     warned: bool,
+    at_risk: bool,
 }
 
 impl Stall {
-    fn new(after: Duration) -> Stall {
+    fn new(after: Duration, wal_limit: u64) -> Stall {
         Stall {
             after,
+            wal_limit,
             last_confirmed: 0,
             since: std::time::Instant::now(),
             warned: false,
+            at_risk: false,
         }
     }
 
-    /// Measures the lag, and warns once per stall when the confirmed LSN
-    /// has not moved for `after` while WAL grew.
     async fn check(&mut self, sql: &Client, slot_name: &str, confirmed: u64) {
-        let behind: Option<i64> = sql
+        // One round trip: lag behind the confirmed LSN, and the slot's own
+        // view of what it retains. A failed query changes nothing: an
+        // outage is the stream's to report.
+        let row = sql
             .query_opt(
-                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::bigint",
-                &[&Lsn(confirmed).to_string()],
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::bigint,
+                        pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+                        s.wal_status, s.safe_wal_size
+                   FROM (SELECT 1) one
+                   LEFT JOIN pg_replication_slots s ON s.slot_name = $2",
+                &[&Lsn(confirmed).to_string(), &slot_name],
             )
             .await
             .ok()
-            .flatten()
-            .map(|r| r.get(0));
+            .flatten();
+        let behind: Option<i64> = row.as_ref().and_then(|r| r.get(0));
         if let Some(bytes) = behind {
             metrics::gauge!(observe::REPLICATION_LAG_BYTES).set(bytes as f64);
+        }
+        if let Some(r) = &row {
+            let retained: Option<i64> = r.get(1);
+            let status: Option<String> = r.get(2);
+            let safe: Option<i64> = r.get(3);
+            if let Some(b) = retained {
+                metrics::gauge!(observe::SLOT_RETAINED_WAL_BYTES).set(b as f64);
+            }
+            if let Some(b) = safe {
+                metrics::gauge!(observe::SLOT_SAFE_WAL_SIZE_BYTES).set(b as f64);
+            }
+            let over = retained.is_some_and(|b| b as u64 > self.wal_limit);
+            let unreserved = status.as_deref().is_some_and(|s| s != "reserved");
+            let at_risk = over || unreserved;
+            if at_risk && !self.at_risk {
+                tracing::warn!(
+                    slot = %slot_name,
+                    retained_bytes = retained.unwrap_or(0),
+                    limit_bytes = self.wal_limit,
+                    wal_status = status.as_deref().unwrap_or("unknown"),
+                    "alert slot_wal_at_risk: the slot retains more WAL than source.retained_wal_warning_bytes, or Postgres may remove WAL it needs (see the README's runbook: an invalidated slot)"
+                );
+            }
+            self.at_risk = at_risk;
+            observe::Alert::SlotWalAtRisk.set(at_risk);
         }
         if confirmed != self.last_confirmed {
             self.last_confirmed = confirmed;
             self.since = std::time::Instant::now();
             self.warned = false;
             metrics::gauge!(observe::SLOT_STALLED).set(0.0);
+            observe::Alert::SlotStalled.set(false);
             return;
         }
         if self.warned || self.since.elapsed() < self.after {
@@ -1882,9 +1930,10 @@ impl Stall {
                 confirmed = %Lsn(confirmed),
                 behind_bytes = bytes,
                 stalled_secs = self.since.elapsed().as_secs(),
-                "the slot's confirmed LSN has not moved while WAL grows; Postgres retains WAL for it"
+                "alert slot_stalled: the slot's confirmed LSN has not moved while WAL grows; Postgres retains WAL for it (see the README's runbook: a slot stall)"
             );
             metrics::gauge!(observe::SLOT_STALLED).set(1.0);
+            observe::Alert::SlotStalled.set(true);
             self.warned = true;
         }
     }

@@ -45,6 +45,12 @@ pub struct Health {
     pub arrivals_last_hour: u64,
     /// EWMA of the hourly arrivals before the last hour.
     pub arrival_baseline_per_hour: f64,
+    /// Alert `dlq_arrival_burst`: the last hour's arrivals are over
+    /// `arrival_factor` times the baseline (and at least `min_arrivals`).
+    pub arrival_burst: bool,
+    /// Alert `dlq_oldest_overdue`: the oldest open message has waited
+    /// longer than `max_oldest_age`.
+    pub oldest_overdue: bool,
     pub warnings: Vec<String>,
 }
 
@@ -102,7 +108,10 @@ pub fn compute(items: &[Item], now_ms: i64, cfg: &DlqHealthConfig) -> Health {
     let baseline = baseline.unwrap_or(0.0);
     let last_hour = buckets[0];
     let mut warnings = Vec::new();
-    if last_hour >= cfg.min_arrivals && last_hour as f64 > cfg.arrival_factor * baseline {
+    let arrival_burst =
+        last_hour >= cfg.min_arrivals && last_hour as f64 > cfg.arrival_factor * baseline;
+    let mut oldest_overdue = false;
+    if arrival_burst {
         warnings.push(format!(
             "arrivals: {last_hour} in the last hour, over {}x the baseline of {baseline:.1} per hour",
             cfg.arrival_factor
@@ -112,6 +121,7 @@ pub fn compute(items: &[Item], now_ms: i64, cfg: &DlqHealthConfig) -> Health {
     if let Some(o) = oldest {
         let age = now_ms - o.quarantined_ms;
         if age > max_age {
+            oldest_overdue = true;
             warnings.push(format!(
                 "slow leak: message {} ({}) has waited {} (over {}) with {open} open; depth alone does not show this",
                 o.id,
@@ -130,6 +140,8 @@ pub fn compute(items: &[Item], now_ms: i64, cfg: &DlqHealthConfig) -> Health {
         replays,
         arrivals_last_hour: last_hour,
         arrival_baseline_per_hour: baseline,
+        arrival_burst,
+        oldest_overdue,
         warnings,
     }
 }
@@ -157,6 +169,22 @@ impl Health {
         metrics::gauge!(observe::DLQ_ARRIVALS).set(self.arrivals_last_hour as f64);
         metrics::gauge!(observe::DLQ_ARRIVAL_BASELINE).set(self.arrival_baseline_per_hour);
         metrics::gauge!(observe::DLQ_WARNINGS).set(self.warnings.len() as f64);
+        observe::Alert::DlqArrivalBurst.set(self.arrival_burst);
+        observe::Alert::DlqOldestOverdue.set(self.oldest_overdue);
+    }
+
+    /// Each warning with the alert it raises ([`compute`] pushes the
+    /// arrival burst's first, then the overdue message's).
+    pub fn alerts(&self) -> impl Iterator<Item = (crate::observe::Alert, &str)> {
+        use crate::observe::Alert;
+        [
+            (self.arrival_burst, Alert::DlqArrivalBurst),
+            (self.oldest_overdue, Alert::DlqOldestOverdue),
+        ]
+        .into_iter()
+        .filter(|(firing, _)| *firing)
+        .map(|(_, a)| a)
+        .zip(self.warnings.iter().map(String::as_str))
     }
 
     pub fn render(&self) -> String {
@@ -245,6 +273,17 @@ mod tests {
             assert_eq!(h.oldest_open_age_ms, Some(hours * HOUR_MS + 60_000));
             let leak = h.warnings.iter().any(|w| w.starts_with("slow leak"));
             assert_eq!(leak, hours >= 24, "after {hours}h: {:?}", h.warnings);
+            assert_eq!(h.oldest_overdue, leak);
+            assert!(!h.arrival_burst);
+            let alerts: Vec<_> = h.alerts().map(|(a, _)| a.name()).collect();
+            assert_eq!(
+                alerts,
+                if leak {
+                    vec!["dlq_oldest_overdue"]
+                } else {
+                    vec![]
+                }
+            );
             // One arrival an hour is its own baseline: no arrival warning.
             assert!(
                 !h.warnings.iter().any(|w| w.starts_with("arrivals")),
@@ -296,6 +335,11 @@ mod tests {
         let h = compute(&items, now, &cfg);
         assert_eq!(h.arrivals_last_hour, 7);
         assert!(h.warnings[0].starts_with("arrivals: 7"), "{:?}", h.warnings);
+        assert!(h.arrival_burst && !h.oldest_overdue);
+        let alerts: Vec<_> = h.alerts().collect();
+        assert_eq!(alerts.len(), 1);
+        assert_eq!(alerts[0].0.name(), "dlq_arrival_burst");
+        assert!(alerts[0].1.starts_with("arrivals: 7"));
     }
 
     #[test]

@@ -587,8 +587,8 @@ async fn round(
         .refresh(keys, synced);
     let h = stats(config, &*r.db(), now).await?;
     h.export();
-    for w in &h.warnings {
-        tracing::warn!(warning = %w, "dead-letter health");
+    for (alert, w) in h.alerts() {
+        tracing::warn!(alert = alert.name(), warning = %w, "dead-letter health (see the README's runbook: a poison message)");
     }
     Ok(())
 }

@@ -909,6 +909,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     // interval still sweeps.
     sweep(&db, target.redelivery_window_hours).await?;
     let mut last_sweep = Instant::now();
+    observe::board::set_phase(observe::board::Phase::Consuming);
     'batches: loop {
         // A batch: wait for one message, then take what else is ready.
         let first = tokio::select! {
@@ -942,6 +943,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         loop {
             let Err(e) = apply_batch(&mut state, &mut db, &dead_letters, &batch).await else {
                 refresh_statistics(&db, &mut state).await;
+                observe::board::set_phase(observe::board::Phase::Consuming);
                 break;
             };
             attempt += 1;
@@ -980,6 +982,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             let delay =
                 Duration::from_millis(200u64 << attempt.min(8)).min(Duration::from_secs(30));
             metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => cause).increment(1);
+            observe::board::set_phase(observe::board::Phase::Restarting);
             tracing::warn!(cause, attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
                 "batch not applied; retrying it (its offsets stay, nothing is lost)");
             tokio::select! {
@@ -1476,8 +1479,12 @@ async fn apply_batch(
     }
     metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
     metrics::counter!(observe::MATERIALIZE_BLOOM_SKIPS).increment(done.bloom_skips);
-    metrics::counter!(observe::MATERIALIZE_APPLIED).increment(done.applied);
-    metrics::counter!(observe::MATERIALIZE_DUPLICATES).increment(done.duplicates);
+    for (table, applied, duplicates) in &done.tables.0 {
+        metrics::counter!(observe::MATERIALIZE_APPLIED, "table" => table.clone())
+            .increment(*applied);
+        metrics::counter!(observe::MATERIALIZE_DUPLICATES, "table" => table.clone())
+            .increment(*duplicates);
+    }
     metrics::counter!(observe::MATERIALIZE_DEAD_LETTERED).increment(dead.len() as u64);
     Ok(Tally {
         applied: done.applied,
@@ -1536,6 +1543,7 @@ struct Done {
     duplicates: u64,
     fast_hits: u64,
     bloom_skips: u64,
+    tables: PerTable,
 }
 
 impl Done {
@@ -1546,6 +1554,36 @@ impl Done {
         self.duplicates += other.duplicates;
         self.fast_hits += other.fast_hits;
         self.bloom_skips += other.bloom_skips;
+        for (t, a, d) in other.tables.0 {
+            self.tables.count(&t, a, d);
+        }
+    }
+
+    fn applied_to(&mut self, m: &Mirror, n: u64) {
+        self.applied += n;
+        self.tables.count(&m.source, n, 0);
+    }
+
+    fn duplicate_of(&mut self, m: &Mirror, n: u64) {
+        self.duplicates += n;
+        self.tables.count(&m.source, 0, n);
+    }
+}
+
+/// Applied and duplicate counts by source table, for the metrics: a batch
+/// touches a few tables, so a short list beats a map.
+#[derive(Default)]
+struct PerTable(Vec<(String, u64, u64)>);
+
+impl PerTable {
+    fn count(&mut self, table: &str, applied: u64, duplicates: u64) {
+        match self.0.iter_mut().find(|(t, _, _)| t == table) {
+            Some((_, a, d)) => {
+                *a += applied;
+                *d += duplicates;
+            }
+            None => self.0.push((table.to_string(), applied, duplicates)),
+        }
     }
 }
 
@@ -1629,6 +1667,7 @@ async fn apply_in(
     let (mut fast_hits, mut bloom_skips) = (0u64, 0u64);
     let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
     let (mut applied, mut duplicates) = (0u64, 0u64);
+    let mut tables = PerTable::default();
     // Keys refused in this batch: a later change of one that leaves a
     // column unchanged waits behind it (see [`Held`]).
     let mut refused: HashMap<HeldKey, &'static str> = HashMap::new();
@@ -1651,6 +1690,7 @@ async fn apply_in(
                 .is_some_and(|p| change.position <= *p)
         {
             duplicates += 1;
+            tables.count(&m.source, 0, 1);
             fast_hits += 1;
             continue;
         }
@@ -1700,12 +1740,16 @@ async fn apply_in(
                 match outcome {
                     Outcome::Applied | Outcome::Inserted => {
                         applied += 1;
+                        tables.count(&m.source, 1, 0);
                         bloom_skips += u64::from(outcome == Outcome::Inserted);
                         if change.op != "t" {
                             committed.push((cache_key.clone(), change.position));
                         }
                     }
-                    Outcome::Duplicate => duplicates += 1,
+                    Outcome::Duplicate => {
+                        duplicates += 1;
+                        tables.count(&m.source, 0, 1);
+                    }
                 }
             }
             Err(e) => match is_data_error(&e) {
@@ -1747,6 +1791,7 @@ async fn apply_in(
         duplicates,
         fast_hits,
         bloom_skips,
+        tables,
     })
 }
 
@@ -1810,8 +1855,8 @@ async fn apply_sets(
                 }
             }
             match mirror::truncate(tx, m, change.position).await? {
-                Outcome::Duplicate => done.duplicates += 1,
-                Outcome::Applied | Outcome::Inserted => done.applied += 1,
+                Outcome::Duplicate => done.duplicate_of(m, 1),
+                Outcome::Applied | Outcome::Inserted => done.applied_to(m, 1),
             }
             continue;
         }
@@ -1822,7 +1867,7 @@ async fn apply_sets(
             .get(&change.cache_key)
             .is_some_and(|p| change.position <= *p)
         {
-            done.duplicates += 1;
+            done.duplicate_of(m, 1);
             done.fast_hits += 1;
             continue;
         }
@@ -1895,7 +1940,7 @@ async fn apply_window(
         let mut new = Vec::new();
         for (j, c) in rest.into_iter().enumerate() {
             if stored.get(&j).is_some_and(|p| *p >= c.position) {
-                done.duplicates += 1;
+                done.duplicate_of(m, 1);
             } else {
                 new.push(c);
             }
@@ -1930,13 +1975,13 @@ async fn apply_window(
     for (m, cs) in writes.iter().chain(&inserted) {
         view_keys_many(tx, statements, views, m, cs, affected).await?;
     }
-    for (_, cs) in &writes {
-        done.applied += cs.len() as u64;
+    for (m, cs) in &writes {
+        done.applied_to(m, cs.len() as u64);
         done.committed
             .extend(cs.iter().map(|c| (c.cache_key.clone(), c.position)));
     }
-    for (_, cs) in &inserted {
-        done.applied += cs.len() as u64;
+    for (m, cs) in &inserted {
+        done.applied_to(m, cs.len() as u64);
         done.bloom_skips += cs.len() as u64;
         done.committed
             .extend(cs.iter().map(|c| (c.cache_key.clone(), c.position)));

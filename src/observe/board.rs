@@ -246,8 +246,7 @@ impl Board {
                         events_total: gauge(super::EVENTS, &[("table", t)]).unwrap_or(0.0),
                         events_per_sec: now_rate(&events),
                         events_per_sec_history: events,
-                        snapshot_rows: gauge(super::SNAPSHOT_ROWS, &[("table", t)])
-                            .unwrap_or(0.0),
+                        snapshot_rows: gauge(super::SNAPSHOT_ROWS, &[("table", t)]).unwrap_or(0.0),
                         snapshot_rows_estimated: gauge(
                             super::SNAPSHOT_ROWS_ESTIMATED,
                             &[("table", t)],
@@ -464,12 +463,23 @@ sources = [{ table = "public.orders", key_columns = ["id"] }]
         b.record_at(4.0, scrape::parse(&line(500)));
         b.record_at(6.0, scrape::parse(&line(10)));
         let s = b.status();
-        let orders = s.tables.iter().find(|t| t.table == "public.orders").expect("orders");
+        let orders = s
+            .tables
+            .iter()
+            .find(|t| t.table == "public.orders")
+            .expect("orders");
         assert_eq!(orders.events_per_sec_history, vec![50.0, 200.0, 0.0]);
         assert_eq!(orders.events_total, 10.0);
-        let customers = s.tables.iter().find(|t| t.table == "public.customers").expect("customers");
+        let customers = s
+            .tables
+            .iter()
+            .find(|t| t.table == "public.customers")
+            .expect("customers");
         assert_eq!(customers.events_per_sec_history, vec![0.0, 0.0, 0.0]);
-        assert!(s.read_models.is_empty(), "the connector shows no read models");
+        assert!(
+            s.read_models.is_empty(),
+            "the connector shows no read models"
+        );
     }
 
     #[test]
@@ -488,15 +498,25 @@ sources = [{ table = "public.orders", key_columns = ["id"] }]
         b.record_at(0.0, scrape::parse(&text(0, 9)));
         b.record_at(1.0, scrape::parse(&text(30, 4)));
         let s = b.status();
-        let rm = s.read_models.iter().find(|m| m.name == "order_summary").expect("read model");
+        let rm = s
+            .read_models
+            .iter()
+            .find(|m| m.name == "order_summary")
+            .expect("read model");
         assert_eq!(rm.applied_per_sec_history, vec![30.0]);
         assert_eq!(rm.consumer_lag_history, vec![10.0, 5.0]);
         assert_eq!(rm.consumer_lag, 5.0);
         assert_eq!(s.read_models.len(), 3, "one read model and two mirrors");
         let names: Vec<&str> = s.alerts.iter().map(|a| a.alert).collect();
         assert!(!names.contains(&"slot_stalled"), "{names:?}");
-        assert!(s.alerts.iter().any(|a| a.alert == "dlq_oldest_overdue" && a.firing));
-        assert!(s.alerts.iter().any(|a| a.alert == "dlq_arrival_burst" && !a.firing));
+        assert!(s
+            .alerts
+            .iter()
+            .any(|a| a.alert == "dlq_oldest_overdue" && a.firing));
+        assert!(s
+            .alerts
+            .iter()
+            .any(|a| a.alert == "dlq_arrival_burst" && !a.firing));
     }
 
     #[test]

@@ -105,11 +105,7 @@ fn body(out: &mut String, s: &Status, role: &str) {
 }
 
 fn slot_section(out: &mut String, slot: &SlotStatus) {
-    let _ = write!(
-        out,
-        "<h2>Slot <code>{}</code></h2>",
-        esc(&slot.slot)
-    );
+    let _ = write!(out, "<h2>Slot <code>{}</code></h2>", esc(&slot.slot));
     if slot.stalled {
         out.push_str("<div class=\"banner\" id=\"stall-warning\">The slot is stalling: its confirmed LSN has not moved while WAL grows, and Postgres keeps that WAL.</div>");
     }
@@ -133,7 +129,11 @@ fn tables_section(out: &mut String, tables: &[TableStatus]) {
     for t in tables {
         let snapshot = match t.snapshot_rows_estimated {
             Some(est) if est > 0.0 || t.snapshot_rows > 0.0 => {
-                let frac = if est > 0.0 { (t.snapshot_rows / est).min(1.0) } else { 1.0 };
+                let frac = if est > 0.0 {
+                    (t.snapshot_rows / est).min(1.0)
+                } else {
+                    1.0
+                };
                 format!(
                     "<span class=\"bar\"><span style=\"width:{:.0}%\"></span></span> {} of ~{} rows",
                     frac * 100.0,
@@ -160,7 +160,7 @@ fn tables_section(out: &mut String, tables: &[TableStatus]) {
 fn models_section(out: &mut String, models: &[ReadModelStatus]) {
     out.push_str(
         "<h2>Read models</h2><table><tr><th>read model</th><th>consumer lag</th><th></th>\
-         <th>applied/s</th><th></th><th>duplicates skipped/s</th><th>rebuild reach</th></tr>",
+         <th>applied/s</th><th></th><th>duplicates skipped/s</th><th></th><th>rebuild reach</th></tr>",
     );
     for m in models {
         let reach = match m.reach_requirement_met {
@@ -173,7 +173,7 @@ fn models_section(out: &mut String, models: &[ReadModelStatus]) {
             "<tr data-read-model=\"{name}\"><td>{name} <span class=\"muted\">{} · {}</span></td>\
              <td class=\"num\" data-figure=\"consumer_lag\">{}</td><td>{}</td>\
              <td class=\"num\" data-figure=\"applied_per_sec\">{}</td><td>{}</td>\
-             <td class=\"num\" data-figure=\"duplicates_per_sec\">{}</td><td>{reach}</td></tr>",
+             <td class=\"num\" data-figure=\"duplicates_per_sec\">{}</td><td>{}</td><td>{reach}</td></tr>",
             m.kind,
             esc(&m.tables.join(", ")),
             count(m.consumer_lag),
@@ -181,6 +181,7 @@ fn models_section(out: &mut String, models: &[ReadModelStatus]) {
             rate(m.applied_per_sec),
             plot("applied", &m.applied_per_sec_history, false),
             rate(m.duplicates_per_sec),
+            plot("duplicates", &m.duplicates_per_sec_history, false),
             name = esc(&m.name),
         );
     }
@@ -198,7 +199,11 @@ fn dead_letter_section(out: &mut String, d: &DeadLetterStatus) {
          <tr><th>arrivals, last hour</th><td class=\"num\" data-figure=\"dlq_arrivals\">{}</td><td>{}</td></tr>\
          <tr><th>baseline per hour</th><td class=\"num\" data-figure=\"dlq_baseline\">{}</td></tr></table>",
         count(d.open),
-        opt(d.oldest_open_age_secs, span),
+        if d.open > 0.0 {
+            opt(d.oldest_open_age_secs, span)
+        } else {
+            "none".into()
+        },
         opt(d.replay_success_ratio, |r| format!("{:.0}%", r * 100.0)),
         opt(d.arrivals_last_hour, count),
         plot("dlq_arrivals", &d.arrivals_history, false),
@@ -214,8 +219,16 @@ pub fn plot(series: &str, values: &[f64], alarm: bool) -> String {
     let n = values.len();
     let mut points = String::new();
     for (i, v) in values.iter().enumerate() {
-        let x = if n > 1 { i as f64 * W / (n - 1) as f64 } else { W };
-        let y = if max > 0.0 { H - 2.0 - (v / max) * (H - 4.0) } else { H - 2.0 };
+        let x = if n > 1 {
+            i as f64 * W / (n - 1) as f64
+        } else {
+            W
+        };
+        let y = if max > 0.0 {
+            H - 2.0 - (v / max) * (H - 4.0)
+        } else {
+            H - 2.0
+        };
         let _ = write!(points, "{x:.1},{y:.1} ");
     }
     format!(
@@ -352,13 +365,19 @@ mod tests {
         assert!(page.contains("width:50%"), "snapshot progress at half");
         assert!(page.contains("id=\"stall-warning\""));
         assert!(page.contains("data-alert=\"slot_stalled\""));
-        assert!(page.contains("class=\"plot alarm\""), "the WAL plot turns red on a stall");
+        assert!(
+            page.contains("class=\"plot alarm\""),
+            "the WAL plot turns red on a stall"
+        );
     }
 
     #[test]
     fn a_plot_scales_to_its_maximum() {
         let svg = plot("x", &[0.0, 5.0, 10.0], false);
-        assert!(svg.contains("points=\"0.0,34.0 90.0,18.0 180.0,2.0\""), "{svg}");
+        assert!(
+            svg.contains("points=\"0.0,34.0 90.0,18.0 180.0,2.0\""),
+            "{svg}"
+        );
         let flat = plot("x", &[], false);
         assert!(flat.contains("data-points=\"0\""), "{flat}");
     }

@@ -581,6 +581,11 @@ impl Report {
     /// Sets the retention gauges (see [`observe`]) and warns about every
     /// unmet requirement and every slot at risk.
     pub fn export(&self) {
+        let short = self
+            .read_models
+            .iter()
+            .any(|rm| rm.requirement.as_ref().is_some_and(|v| !v.met));
+        observe::Alert::RebuildReachShort.set(short);
         for rm in &self.read_models {
             let label = rm.name.clone();
             let kind = match rm.reach.kind {
@@ -595,7 +600,7 @@ impl Report {
                 metrics::gauge!(observe::REACH_REQUIREMENT_MET, "read_model" => label.clone())
                     .set(if v.met { 1.0 } else { 0.0 });
                 if let Some(s) = &v.shortfall {
-                    tracing::warn!(read_model = %rm.name, requirement = %v.requirement, shortfall = %s, "the rebuild reach is below its requirement");
+                    tracing::warn!(read_model = %rm.name, requirement = %v.requirement, shortfall = %s, "alert rebuild_reach_short: the rebuild reach is below its requirement (see the README's runbook: rebuilding a read model)");
                 }
             }
         }
