@@ -44,6 +44,9 @@ pub enum Command {
     /// Parse and validate a connector definition, then print the effective
     /// config with secrets redacted. Exit 2 when it is invalid.
     Validate(ConfigArg),
+    /// Print the configuration reference (markdown): every key with its
+    /// type, default and meaning, generated from the config types.
+    Reference,
     /// Preflight against the live systems: Postgres (wal_level, slots, WAL
     /// senders, role, tables, replica identity, publication, slot state),
     /// Kafka (reachability, topic configs), the schema registry and the
@@ -373,6 +376,10 @@ impl<E: std::fmt::Display> From<E> for Failure {
 pub async fn execute(command: Command) -> u8 {
     let outcome = match command {
         Command::Validate(args) => validate(&args),
+        Command::Reference => {
+            print!("{}", crate::config::reference::markdown());
+            Ok(exit::OK)
+        }
         Command::Check(args) => check(&args).await,
         Command::Slot { action } => slot_command(action).await,
         Command::Run(args) => run(&args).await,

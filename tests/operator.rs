@@ -49,18 +49,23 @@ async fn readyz_is_ready_only_while_streaming_and_flips_back_when_a_stop_is_requ
     let db = TestDb::create(&stack, "op_ready").await;
     let client = db.client().await;
     client
-        .batch_execute("CREATE TABLE public.t (id bigint PRIMARY KEY)")
+        .batch_execute("CREATE TABLE public.t (id bigint PRIMARY KEY, v text)")
         .await
         .expect("table");
     let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.t"])
-        .replace(&stack.brokers, &broker.address);
+        .replace(&stack.brokers, &broker.address)
+        .replace(
+            "[registry]\n",
+            &format!("[registry]\nusername = \"ops\"\npassword = \"{REGISTRY_PASSWORD}\"\n"),
+        );
     let config = ConfigFile::write(&toml);
     let addr = format!("127.0.0.1:{}", support::free_port());
 
     // Start-up cannot finish while the broker answers nothing: alive, not
     // ready, and the reason is the phase.
     broker.freeze();
-    let connector = ConnectorProcess::start_with(&config, &["--http-addr", &addr]);
+    let connector =
+        ConnectorProcess::start_with(&config, &["--http-addr", &addr, "--log-format", "json"]);
     wait_until("/healthz 200", async || {
         http_get(&addr, "/healthz").await.0 == 200
     })
@@ -86,7 +91,9 @@ async fn readyz_is_ready_only_while_streaming_and_flips_back_when_a_stop_is_requ
     support::wait_streaming(&client, &db.name).await;
     broker.freeze();
     client
-        .batch_execute("INSERT INTO public.t SELECT generate_series(1, 50)")
+        .batch_execute(
+            "INSERT INTO public.t SELECT g, 'row-value-' || g FROM generate_series(1, 50) g",
+        )
         .await
         .expect("insert");
     let written = insert_lsn(&client).await;
@@ -119,6 +126,27 @@ async fn readyz_is_ready_only_while_streaming_and_flips_back_when_a_stop_is_requ
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     broker.thaw();
+    // Logs as JSON lines: each one an object with a level and a message,
+    // none with a row value or the source's password.
+    let log = connector.log();
+    // Complete lines only: the process is still writing.
+    let complete = log.rsplit_once('\n').map_or("", |(done, _)| done);
+    let lines: Vec<Json> = complete
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    assert!(lines
+        .iter()
+        .all(|l| l["level"].is_string() && l["message"].is_string()));
+    assert!(
+        lines.iter().any(|l| l["message"] == "shutdown requested"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("row-value-"),
+        "a row value in the log:\n{log}"
+    );
+    assert!(!log.contains(REGISTRY_PASSWORD), "the password in the log");
     assert_eq!(connector.terminate().await, 0);
     assert!(
         support::confirmed_reached(&client, &db.name, &written).await,
@@ -138,6 +166,10 @@ async fn readyz_is_ready_only_while_streaming_and_flips_back_when_a_stop_is_requ
     assert_eq!(records.len(), 50);
     db.drop_db().await;
 }
+
+/// A secret the readiness test's config holds (the local registry does
+/// not ask for one, so any will do), to look for in the log.
+const REGISTRY_PASSWORD: &str = "pw-Secret-4f1c9e0a";
 
 /// A ChromeDriver with one headless Chromium session, both ended on drop.
 /// Debian's `chromium` and `chromium-driver` (`scripts/test` installs

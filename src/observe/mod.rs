@@ -352,3 +352,28 @@ fn describe() {
         "Dead letters a policy replayed or archived, by policy and action"
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Alert;
+
+    const README: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"));
+    const RULES: &str = include_str!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/deploy/prometheus/alerts.yml"
+    ));
+
+    /// Each alert is documented in the README's table, has its runbook
+    /// there, and a Prometheus rule on its series.
+    #[test]
+    fn every_alert_has_a_row_a_runbook_and_a_rule() {
+        for a in Alert::ALL {
+            let row = format!("| `{}` |", a.name());
+            assert!(README.contains(&row), "no README row {row}");
+            let heading = format!("\n### {}\n", a.runbook());
+            assert!(README.contains(&heading), "no README heading {heading:?}");
+            let expr = format!("pgcdc_alert{{alert=\"{}\"}}", a.name());
+            assert!(RULES.contains(&expr), "no rule on {expr}");
+        }
+    }
+}

@@ -28,6 +28,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::secret::{is_sensitive_key, Dsn, Secret, REDACTED};
 
+pub mod reference;
+
 /// Prefix of override variables; the double underscore keeps single
 /// underscores free for field names such as `topic_prefix`.
 pub const OVERRIDE_PREFIX: &str = "PGCDC__";
@@ -298,6 +300,9 @@ pub enum DlqAction {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DlqPolicyConfig {
+    /// `replay` (messages of `classes` first failed in `[from, until)`;
+    /// both replay checks still run) or `archive` (left unaddressed for
+    /// `after`).
     pub action: DlqAction,
     /// Failure classes the policy covers.
     #[serde(default)]
@@ -365,6 +370,7 @@ pub struct SourceConfig {
     pub publication: String,
     /// Captured tables as `schema.table`.
     pub tables: Vec<String>,
+    /// The initial snapshot, and chunking of `pgcdc snapshot`.
     #[serde(default)]
     pub snapshot: SnapshotConfig,
     /// Seconds between heartbeats (`pg_logical_emit_message`), which let
@@ -394,10 +400,16 @@ pub enum SnapshotMode {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SnapshotConfig {
+    /// `initial`: snapshot when the slot is created; `never`: stream only;
+    /// `always`: drop the slot and snapshot at every start.
     #[serde(default)]
     pub mode: SnapshotMode,
+    /// Connections copying chunks in parallel, all in the slot's exported
+    /// snapshot (1 to 64).
     #[serde(default = "default_snapshot_workers")]
     pub workers: usize,
+    /// Rows per chunk of the initial snapshot: a large table is cut into
+    /// key or block ranges of about this many rows.
     #[serde(default = "default_snapshot_chunk_rows")]
     pub chunk_rows: u64,
     /// Rows per chunk of an incremental snapshot (`pgcdc snapshot`): each
@@ -466,6 +478,7 @@ fn default_transaction_interval_ms() -> u64 {
     DEFAULT_TRANSACTION_INTERVAL_MS
 }
 
+/// The Kafka cluster, and the changelog topics pgcdc creates in it.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KafkaConfig {
@@ -473,8 +486,11 @@ pub struct KafkaConfig {
     pub brokers: String,
     /// Topics are `<topic_prefix>.<schema>.<table>`.
     pub topic_prefix: String,
+    /// Partitions of the topics pgcdc creates (existing topics are kept
+    /// as they are; keys hash to partitions, so changing it remaps keys).
     #[serde(default = "default_partitions")]
     pub partitions: i32,
+    /// Replication factor of the topics pgcdc creates.
     #[serde(default = "default_replication_factor")]
     pub replication_factor: i32,
     /// `cleanup.policy` of created changelog topics.
@@ -572,14 +588,18 @@ pub const MANAGED_KAFKA_PROPERTIES: &[&str] = &[
     "isolation.level",
 ];
 
+/// The Confluent-compatible schema registry (`pgcdc registry`, or
+/// Confluent's own).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RegistryConfig {
     /// Base URL of a Confluent-compatible schema registry; a password in
     /// its userinfo never prints.
     pub url: Dsn,
+    /// HTTP basic-auth user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub username: Option<String>,
+    /// HTTP basic-auth password (use `${VAR}`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub password: Option<Secret>,
 }
@@ -588,6 +608,7 @@ pub struct RegistryConfig {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TargetConfig {
+    /// Connection string of the target database.
     pub url: Dsn,
     /// Schema of the mirror tables.
     #[serde(default = "default_mirror_schema")]
