@@ -755,9 +755,14 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     let mut shutdown =
         crate::Shutdown::install().map_err(|e| RunError::Config(format!("signals: {e}")))?;
     let mut backoff = RESTART_BACKOFF;
+    // The slot watch outlives each attempt: a crash loop is a stall too,
+    // and its timer must not start again with every attempt.
+    let confirmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let watch = tokio::spawn(watch_slot(config.clone(), confirmed.clone()));
+    let _stop_watch = AbortOnDrop(watch);
     loop {
         let started = std::time::Instant::now();
-        let error = match run_once(config.clone(), &mut shutdown).await {
+        let error = match run_once(config.clone(), &mut shutdown, &confirmed).await {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
@@ -778,7 +783,47 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     }
 }
 
-async fn run_once(config: Arc<Config>, shutdown: &mut crate::Shutdown) -> Result<(), RunError> {
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Checks the slot every heartbeat interval (at least every 10 s) on a
+/// connection of its own, so that neither a stream blocked on Kafka's
+/// backpressure nor a restart pauses the alerts. `confirmed` is the LSN
+/// the connector last confirmed (0 before the first).
+async fn watch_slot(config: Arc<Config>, confirmed: Arc<std::sync::atomic::AtomicU64>) {
+    let src = &config.source;
+    let every = Duration::from_secs(src.heartbeat_interval_secs.clamp(1, 10));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut stall = Stall::new(
+        Duration::from_secs(src.stall_warning_secs),
+        src.retained_wal_warning_bytes,
+    );
+    let mut sql: Option<Client> = None;
+    loop {
+        tick.tick().await;
+        if sql.as_ref().is_none_or(Client::is_closed) {
+            // An outage is the stream's to report; try again next tick.
+            sql = sql_session(&config).await.ok();
+        }
+        if let Some(c) = &sql {
+            let lsn = confirmed.load(std::sync::atomic::Ordering::Acquire);
+            stall.check(c, &src.slot, lsn).await;
+        }
+    }
+}
+
+async fn run_once(
+    config: Arc<Config>,
+    shutdown: &mut crate::Shutdown,
+    progress: &std::sync::atomic::AtomicU64,
+) -> Result<(), RunError> {
     observe::board::set_phase(observe::board::Phase::Starting);
     // Nothing start-up wrote is confirmed yet, so a stop there needs no
     // drain: an interrupted snapshot is taken again at the next start (its
@@ -807,6 +852,7 @@ async fn run_once(config: Arc<Config>, shutdown: &mut crate::Shutdown) -> Result
         snapshots,
         resume_commit,
         shutdown,
+        progress,
     )
     .await;
     let last = match last {
@@ -1693,6 +1739,8 @@ impl Release {
 /// that may be confirmed once everything in flight is acknowledged.
 /// Transactions committed at or before `resume_commit` are already in Kafka
 /// (exactly-once mode) and are not produced again.
+// What an attempt holds, plus what outlives it (`shutdown`, `progress`).
+#[allow(clippy::too_many_arguments)]
 async fn stream(
     output: &Output,
     repl: &mut ReplicationClient,
@@ -1701,6 +1749,7 @@ async fn stream(
     mut snapshots: incremental::Engine,
     resume_commit: u64,
     shutdown: &mut crate::Shutdown,
+    progress: &std::sync::atomic::AtomicU64,
 ) -> Result<u64, RunError> {
     let mut confirmed = output.acks.confirmed();
     let mut failed = output.acks.failed();
@@ -1713,10 +1762,7 @@ async fn stream(
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut group_tick = tokio::time::interval(release.interval);
     group_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut stall = Stall::new(
-        Duration::from_secs(src.stall_warning_secs),
-        src.retained_wal_warning_bytes,
-    );
+    progress.fetch_max(*confirmed.borrow(), std::sync::atomic::Ordering::AcqRel);
     observe::board::set_phase(observe::board::Phase::Streaming);
     loop {
         snapshots.schedule(output, sql).await?;
@@ -1735,10 +1781,6 @@ async fn stream(
                     sql.execute("SELECT pg_logical_emit_message(false, 'pgcdc.heartbeat', '')", &[])
                         .await?;
                 }
-                // Copied out: a watch guard held across the query would
-                // block the acknowledgements' sender meanwhile.
-                let now_confirmed = *confirmed.borrow();
-                stall.check(sql, &src.slot, now_confirmed).await;
             }
             r = failed.changed() => {
                 if r.is_ok() {
@@ -1751,6 +1793,7 @@ async fn stream(
             r = confirmed.changed() => {
                 if r.is_ok() {
                     let lsn = *confirmed.borrow();
+                    progress.fetch_max(lsn, std::sync::atomic::Ordering::AcqRel);
                     repl.update_applied_lsn(WireLsn(lsn));
                     metrics::gauge!(observe::CONFIRMED_LSN).set(lsn as f64);
                     tracing::debug!(confirmed = %Lsn(lsn), "confirmed");
@@ -1874,7 +1917,9 @@ impl Stall {
         // outage is the stream's to report.
         let row = sql
             .query_opt(
-                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), $1::text::pg_lsn)::bigint,
+                // Before the first confirmation ($1 = 0/0), the slot's own.
+                "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(),
+                            CASE WHEN $1 = '0/0' THEN s.confirmed_flush_lsn ELSE $1::text::pg_lsn END)::bigint,
                         pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
                         s.wal_status, s.safe_wal_size
                    FROM (SELECT 1) one
