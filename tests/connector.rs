@@ -1094,17 +1094,9 @@ async fn a_frozen_broker_stalls_the_slot_with_alerts_and_nothing_is_lost() {
         alert(&addr, "slot_wal_at_risk").await == Some(0.0)
     })
     .await;
-    let private = support::Stack {
-        brokers: broker.address.clone(),
-        ..stack.clone()
-    };
-    let records = support::read_topic(
-        &private,
-        &format!("{}.public.t", db.name),
-        100,
-        Duration::from_secs(60),
-    )
-    .await;
+    let records = broker
+        .read_topic(&stack, &format!("{}.public.t", db.name), 100)
+        .await;
     assert_eq!(records.len(), 100);
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;

@@ -9,7 +9,7 @@ use serde_json::Value as Json;
 
 use crate::materialize::{counter, materializer, terminate, wait_counter};
 use crate::operator::alert;
-use crate::support::{self, ConfigFile, ConnectorProcess, Stack, TestDb};
+use crate::support::{self, wait_for, ConfigFile, ConnectorProcess, Stack, TestDb};
 
 const ITEMS: &str = "
 CREATE TABLE public.items (id bigint PRIMARY KEY, owner int NOT NULL, qty bigint NOT NULL);
@@ -530,14 +530,6 @@ async fn mirror_has(target_url: &str, sql: &str) -> bool {
         .await
         .map(|r| r.get::<_, bool>(0))
         .unwrap_or(false)
-}
-
-async fn wait_for(what: &str, limit: Duration, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = std::time::Instant::now() + limit;
-    while !check().await {
-        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
 }
 
 #[tokio::test]

@@ -25,13 +25,9 @@ pub(crate) async fn alert(addr: &str, name: &str) -> Option<f64> {
         .map(|(_, v)| v)
 }
 
-/// Polls `check` every 200 ms for up to two minutes.
-pub(crate) async fn wait_until(what: &str, mut check: impl AsyncFnMut() -> bool) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    while !check().await {
-        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+/// [`support::wait_for`] for up to two minutes.
+pub(crate) async fn wait_until(what: &str, check: impl AsyncFnMut() -> bool) {
+    support::wait_for(what, Duration::from_secs(120), check).await;
 }
 
 /// Waits until `/readyz` answers 200.
@@ -152,17 +148,9 @@ async fn readyz_is_ready_only_while_streaming_and_flips_back_when_a_stop_is_requ
         support::confirmed_reached(&client, &db.name, &written).await,
         "the drain confirmed everything written before the stop"
     );
-    let private = support::Stack {
-        brokers: broker.address.clone(),
-        ..stack.clone()
-    };
-    let records = support::read_topic(
-        &private,
-        &format!("{}.public.t", db.name),
-        50,
-        Duration::from_secs(60),
-    )
-    .await;
+    let records = broker
+        .read_topic(&stack, &format!("{}.public.t", db.name), 50)
+        .await;
     assert_eq!(records.len(), 50);
     db.drop_db().await;
 }

@@ -1,21 +1,8 @@
 //! `pgcdc slot status|drop` against real slots.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::support::{self, ConfigFile, ScratchCluster, TestDb};
-
-/// Polls a condition until it holds, or panics after `limit`.
-async fn wait_until<F, Fut>(what: &str, limit: Duration, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + limit;
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
 
 #[tokio::test]
 async fn slot_status_shows_the_slot_and_drop_needs_confirmation() {
@@ -136,7 +123,7 @@ async fn slot_drop_is_refused_while_a_consumer_holds_the_slot() {
         .expect("start pg_recvlogical");
     let probe = db.client().await;
     let name = db.name.clone();
-    wait_until("the slot to become active", Duration::from_secs(30), || {
+    support::wait_for("the slot to become active", Duration::from_secs(30), || {
         let (probe, name) = (&probe, &name);
         async move {
             probe
@@ -192,7 +179,7 @@ async fn an_invalidated_slot_is_reported_with_its_recovery() {
     }
     // Write and switch WAL segments until a checkpoint invalidates the slot.
     let mut i = 0;
-    wait_until("the slot to be invalidated", Duration::from_secs(60), || {
+    support::wait_for("the slot to be invalidated", Duration::from_secs(60), || {
         i += 1;
         let client = &client;
         let i = i;

@@ -1662,12 +1662,8 @@ async fn apply_in(
     }
     let state_holds = state.held.is_some();
     let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
-    let mut dead: Vec<(usize, Failure)> = Vec::new();
-    let mut committed: Vec<(String, mirror::Position)> = Vec::new();
-    let (mut fast_hits, mut bloom_skips) = (0u64, 0u64);
+    let mut done = Done::default();
     let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
-    let (mut applied, mut duplicates) = (0u64, 0u64);
-    let mut tables = PerTable::default();
     // Keys refused in this batch: a later change of one that leaves a
     // column unchanged waits behind it (see [`Held`]).
     let mut refused: HashMap<HeldKey, &'static str> = HashMap::new();
@@ -1677,7 +1673,7 @@ async fn apply_in(
             continue;
         };
         if let Some(class) = held_in(&refused, &batch[*i], change).filter(|_| state_holds) {
-            dead.push((*i, held_failure(class, change)));
+            done.dead.push((*i, held_failure(class, change)));
             continue;
         }
         let cache_key = &change.cache_key;
@@ -1689,9 +1685,8 @@ async fn apply_in(
                 .get(cache_key)
                 .is_some_and(|p| change.position <= *p)
         {
-            duplicates += 1;
-            tables.count(&m.source, 0, 1);
-            fast_hits += 1;
+            done.duplicate_of(m, 1);
+            done.fast_hits += 1;
             continue;
         }
         let fresh = lookups.fresh.contains(cache_key);
@@ -1739,17 +1734,13 @@ async fn apply_in(
                 }
                 match outcome {
                     Outcome::Applied | Outcome::Inserted => {
-                        applied += 1;
-                        tables.count(&m.source, 1, 0);
-                        bloom_skips += u64::from(outcome == Outcome::Inserted);
+                        done.applied_to(m, 1);
+                        done.bloom_skips += u64::from(outcome == Outcome::Inserted);
                         if change.op != "t" {
-                            committed.push((cache_key.clone(), change.position));
+                            done.committed.push((cache_key.clone(), change.position));
                         }
                     }
-                    Outcome::Duplicate => {
-                        duplicates += 1;
-                        tables.count(&m.source, 0, 1);
-                    }
+                    Outcome::Duplicate => done.duplicate_of(m, 1),
                 }
             }
             Err(e) => match is_data_error(&e) {
@@ -1770,7 +1761,7 @@ async fn apply_in(
                     if let Some(k) = held_key(&batch[*i]) {
                         refused.insert(k, class);
                     }
-                    dead.push((
+                    done.dead.push((
                         *i,
                         Failure {
                             class,
@@ -1784,15 +1775,7 @@ async fn apply_in(
         }
     }
     recompute_views(tx, views, &affected).await?;
-    Ok(Done {
-        committed,
-        dead,
-        applied,
-        duplicates,
-        fast_hits,
-        bloom_skips,
-        tables,
-    })
+    Ok(done)
 }
 
 /// Recomputes each view's affected keys.

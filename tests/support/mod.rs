@@ -819,6 +819,20 @@ pub async fn confirmed_reached(client: &Client, slot: &str, target: &str) -> boo
         .is_some_and(|r| r.get(0))
 }
 
+/// Polls `check` every 200 ms until it holds, or panics after `limit`
+/// naming `what`.
+pub async fn wait_for(
+    what: &str,
+    limit: std::time::Duration,
+    mut check: impl AsyncFnMut() -> bool,
+) {
+    let deadline = std::time::Instant::now() + limit;
+    while !check().await {
+        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
 /// Waits until the connector confirmed everything written so far: Kafka
 /// then holds every change committed before this call.
 pub async fn wait_caught_up(client: &Client, slot: &str) {
@@ -917,6 +931,16 @@ impl PrivateBroker {
         );
         self.child =
             PrivateBroker::spawn(&self.bin, self.port, self.dir.as_ref().map(|d| d.path()));
+    }
+
+    /// Reads `count` records of `topic` from this broker (the stack's other
+    /// services as they are).
+    pub async fn read_topic(&self, stack: &Stack, topic: &str, count: usize) -> Vec<Record> {
+        let private = Stack {
+            brokers: self.address.clone(),
+            ..stack.clone()
+        };
+        read_topic(&private, topic, count, std::time::Duration::from_secs(60)).await
     }
 
     /// SIGSTOP: the broker holds its connections but answers nothing.
