@@ -98,6 +98,10 @@ pub enum Command {
         #[command(subcommand)]
         action: DlqCommand,
     },
+    /// What a running `pgcdc run` or `pgcdc materialize` reports on its
+    /// admin server: phase, tables and their hot keys (rate, share,
+    /// salted), read models, firing alerts.
+    Status(StatusArgs),
     /// Show or drop the pipeline's replication slot.
     Slot {
         #[command(subcommand)]
@@ -250,6 +254,16 @@ pub struct RunArgs {
 }
 
 #[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    /// The admin server (`--http-addr`) of the process to ask.
+    #[arg(long, env = "PGCDC_HTTP_ADDR", default_value = "127.0.0.1:9187")]
+    pub http_addr: String,
+    /// Print the `/status` JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, clap::Args)]
 pub struct RetentionArgs {
     /// Connector definition, e.g. connectors/demo.toml.
     #[arg(
@@ -381,6 +395,7 @@ pub async fn execute(command: Command) -> u8 {
             Ok(exit::OK)
         }
         Command::Check(args) => check(&args).await,
+        Command::Status(args) => status(&args).await,
         Command::Slot { action } => slot_command(action).await,
         Command::Run(args) => run(&args).await,
         Command::Materialize(args) => materialize(&args).await,
@@ -398,6 +413,21 @@ pub async fn execute(command: Command) -> u8 {
             exit::FAILURE
         }
     }
+}
+
+async fn status(args: &StatusArgs) -> Result<u8, Failure> {
+    let status = crate::observe::report::fetch(&args.http_addr)
+        .await
+        .map_err(Failure)?;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&status).unwrap_or_default()
+        );
+    } else {
+        print!("{}", crate::observe::report::text(&status));
+    }
+    Ok(exit::OK)
 }
 
 /// Loads a config, printing each field error on its own line.

@@ -17,6 +17,7 @@ pub mod exit;
 pub mod materialize;
 pub mod observe;
 pub mod offsets;
+pub mod partitioning;
 pub mod preflight;
 pub mod projection;
 pub mod registry;

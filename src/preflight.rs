@@ -717,6 +717,11 @@ async fn check_kafka(config: &Config, r: &mut Report) {
         .iter()
         .map(|t| t.name().to_string())
         .collect();
+    let partitions: std::collections::BTreeMap<String, i32> = metadata
+        .topics()
+        .iter()
+        .map(|t| (t.name().to_string(), t.partitions().len() as i32))
+        .collect();
     let opts = AdminOptions::new().request_timeout(Some(CHECK_TIMEOUT));
     for (table, o) in &config.outbox {
         r.pass(
@@ -737,6 +742,8 @@ async fn check_kafka(config: &Config, r: &mut Report) {
             );
             continue;
         }
+        let count = partitions.get(&topic).copied().unwrap_or(0);
+        partition_checks(config, table, &topic, count, r);
         let spec = ResourceSpecifier::Topic(&topic);
         match admin.describe_configs([&spec], &opts).await {
             Ok(results) => match results.into_iter().next() {
@@ -772,6 +779,56 @@ async fn check_kafka(config: &Config, r: &mut Report) {
                 format!("cannot read the configs of topic {topic}: {e}"),
                 "grant DescribeConfigs on the topic to this principal",
             ),
+        }
+    }
+}
+
+/// A changelog topic's partition count against `kafka.partitions` and the
+/// table's salting: keys hash to `murmur2(key) mod partitions`, so a
+/// different count puts every key's new events elsewhere.
+fn partition_checks(config: &Config, table: &str, topic: &str, count: i32, r: &mut Report) {
+    let name = format!("kafka.partitions.{topic}");
+    let wanted = config.kafka.partitions;
+    if count != wanted {
+        r.warn(
+            &name,
+            format!(
+                "topic {topic} has {count} partitions but kafka.partitions is {wanted}; pgcdc keeps \
+                 the topic as it is. Adding partitions remaps keys (murmur2 of the key mod the \
+                 partition count): a key's later changes land in another partition than its \
+                 earlier ones, and consumers lose its order across the change"
+            ),
+            "follow the README's \"Changing a topic's partition count\": stop the connector, let \
+             every consumer catch up, add partitions, restart; or set kafka.partitions to the \
+             topic's count",
+        );
+    } else {
+        r.pass(
+            &name,
+            format!("topic {topic} has {count} partitions, as kafka.partitions says"),
+        );
+    }
+    if let Some(p) = config.partitioning.get(table) {
+        let name = format!("partitioning.{table}");
+        if (p.salt_shards as i32) > count {
+            r.warn(
+                &name,
+                format!(
+                    "salt_shards is {} but topic {topic} has {count} partitions: a salted key \
+                     spreads over {count} at most",
+                    p.salt_shards
+                ),
+                "add partitions before the topic holds data, or lower salt_shards",
+            );
+        } else {
+            r.pass(
+                &name,
+                format!(
+                    "salted keys of {table} spread over {} of {count} partitions (order across \
+                     shards is lost; the materializer's position guard keeps the newest)",
+                    p.salt_shards
+                ),
+            );
         }
     }
 }

@@ -221,7 +221,14 @@ impl Producer {
     ) -> Result<Delivery, KafkaError> {
         self.begin()?;
         let (tx, rx) = oneshot::channel();
-        send(&self.inner, topic, key, payload, headers, Ticket::Reply(tx)).await?;
+        let record = Record {
+            topic,
+            partition: None,
+            key,
+            payload,
+            headers,
+        };
+        send(&self.inner, record, Ticket::Reply(tx)).await?;
         Ok(Delivery(rx))
     }
 
@@ -442,6 +449,25 @@ pub async fn ensure_state_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), 
     ensure_topics(&kafka, &[topic.to_string()]).await
 }
 
+/// The partition count of each of `topics` that exists.
+pub async fn partition_counts(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> Result<std::collections::BTreeMap<String, i32>, KafkaError> {
+    let probe: BaseConsumer = client_config(kafka).create()?;
+    let wanted = topics.to_vec();
+    blocking(move || {
+        let md = probe.fetch_metadata(None, Duration::from_secs(30))?;
+        Ok(md
+            .topics()
+            .iter()
+            .filter(|t| t.error().is_none() && wanted.iter().any(|w| w == t.name()))
+            .map(|t| (t.name().to_string(), t.partitions().len() as i32))
+            .collect())
+    })
+    .await
+}
+
 /// Topic → partition → `(low, high)` watermarks, for the topics that
 /// exist (a topic the broker does not know is absent).
 pub async fn watermarks(
@@ -651,16 +677,32 @@ impl Future for Delivery {
 }
 
 /// Enqueues a record, waiting while librdkafka's queue is full.
+/// One record to produce.
+struct Record<'a> {
+    topic: &'a str,
+    partition: Option<i32>,
+    key: Option<&'a [u8]>,
+    payload: Option<&'a [u8]>,
+    headers: Option<OwnedHeaders>,
+}
+
 async fn send(
     producer: &ThreadedProducer<Deliveries>,
-    topic: &str,
-    key: Option<&[u8]>,
-    payload: Option<&[u8]>,
-    headers: Option<OwnedHeaders>,
+    r: Record<'_>,
     ticket: Ticket,
 ) -> Result<(), KafkaError> {
+    let Record {
+        topic,
+        partition,
+        key,
+        payload,
+        headers,
+    } = r;
     let mut record: BaseRecord<'_, [u8], [u8], Box<Ticket>> =
         BaseRecord::with_opaque_to(topic, Box::new(ticket));
+    if let Some(p) = partition {
+        record = record.partition(p);
+    }
     if let Some(k) = key {
         record = record.key(k);
     }
@@ -877,10 +919,31 @@ impl Acks {
         payload: Option<&[u8]>,
         headers: Option<OwnedHeaders>,
     ) -> Result<(), SendError> {
+        self.send_to(producer, topic, None, key, payload, headers)
+            .await
+    }
+
+    /// [`Acks::send`] to an explicit partition (`None`: the partitioner's).
+    pub async fn send_to(
+        &self,
+        producer: &Producer,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        payload: Option<&[u8]>,
+        headers: Option<OwnedHeaders>,
+    ) -> Result<(), SendError> {
         producer.begin()?;
         let seq = self.window.ticket().await.map_err(SendError::Delivery)?;
         let ticket = Ticket::Tracked(self.window.clone(), seq);
-        send(&producer.inner, topic, key, payload, headers, ticket).await?;
+        let record = Record {
+            topic,
+            partition,
+            key,
+            payload,
+            headers,
+        };
+        send(&producer.inner, record, ticket).await?;
         Ok(())
     }
 

@@ -14,6 +14,7 @@ mod incremental;
 mod ledger;
 mod materialize;
 mod operator;
+mod partitioning;
 mod registry;
 mod retention;
 mod security;

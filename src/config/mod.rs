@@ -108,6 +108,81 @@ pub struct Config {
     /// topics instead of a changelog topic.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub outbox: BTreeMap<String, OutboxConfig>,
+    /// Hot-key detection in the connector, on every changelog table.
+    #[serde(default)]
+    pub hot_keys: HotKeysConfig,
+    /// Remedies for hot keys, per captured table (`schema.table`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub partitioning: BTreeMap<String, PartitioningConfig>,
+}
+
+/// The heavy-hitters sketch that finds each table's hottest keys: a
+/// fixed number of counters per table (Space-Saving), whatever the number
+/// of distinct keys. Hot keys are exported as `pgcdc_hot_key_rate`,
+/// `pgcdc_hot_key_share` and `pgcdc_hot_key_salted`, and shown by
+/// `pgcdc status`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HotKeysConfig {
+    /// Counters per table; 0 turns detection off. A key whose share of a
+    /// table's changes is above 1/capacity is always found.
+    #[serde(default = "default_hot_capacity")]
+    pub capacity: usize,
+    /// Seconds per rate window (the rate is a sliding estimate over the
+    /// last window).
+    #[serde(default = "default_hot_window_secs")]
+    pub window_secs: u64,
+    /// A key is reported once its rate reaches this many changes per
+    /// second.
+    #[serde(default = "default_hot_report_per_sec")]
+    pub report_per_sec: f64,
+    /// Show reported keys as a fingerprint (`#` and 16 hex digits)
+    /// instead of their primary key values.
+    #[serde(default)]
+    pub redact_keys: bool,
+}
+
+impl Default for HotKeysConfig {
+    fn default() -> Self {
+        HotKeysConfig {
+            capacity: default_hot_capacity(),
+            window_secs: default_hot_window_secs(),
+            report_per_sec: default_hot_report_per_sec(),
+            redact_keys: false,
+        }
+    }
+}
+
+fn default_hot_capacity() -> usize {
+    64
+}
+fn default_hot_window_secs() -> u64 {
+    10
+}
+fn default_hot_report_per_sec() -> f64 {
+    100.0
+}
+
+/// Salting of one table's hot keys: a salted key's events spread over up
+/// to `salt_shards` partitions (its own and the next ones), so that one
+/// key cannot saturate a partition. The cost: its changes are no longer
+/// in one partition, so a consumer sees them in no particular order (the
+/// materializer's position guard still applies each key's newest change
+/// last); a salted delete sends its tombstone to every shard's partition.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PartitioningConfig {
+    /// Partitions a salted key's events spread over (2 to 64, at most the
+    /// topic's partition count in effect).
+    pub salt_shards: u32,
+    /// Salt every key whose rate reaches this many changes per second (as
+    /// the hot-key sketch measures it).
+    #[serde(default)]
+    pub salt_above_per_sec: Option<f64>,
+    /// Keys salted from their first change: a key in text form, or for a
+    /// key of several columns a JSON array of their texts (`'["7","eu"]'`).
+    #[serde(default)]
+    pub salt_keys: Vec<String>,
 }
 
 /// Routing of an event store or outbox table (Debezium's outbox event
@@ -1061,7 +1136,68 @@ impl Config {
             }
         }
         self.validate_dlq(&mut v);
+        self.validate_partitioning(&mut v);
         v.errors
+    }
+
+    fn validate_partitioning(&self, v: &mut Validator) {
+        let h = &self.hot_keys;
+        v.check(
+            h.capacity <= 4096,
+            "hot_keys.capacity",
+            "must be at most 4096 (0 turns detection off)",
+        );
+        v.check(
+            h.window_secs >= 1 && h.window_secs <= 3600,
+            "hot_keys.window_secs",
+            "must be 1 to 3600",
+        );
+        v.check(
+            h.report_per_sec.is_finite() && h.report_per_sec > 0.0,
+            "hot_keys.report_per_sec",
+            "must be a number greater than 0",
+        );
+        for (table, p) in &self.partitioning {
+            let base = format!("partitioning.\"{table}\"");
+            if !self.source.tables.contains(table) {
+                v.push(&base, format!("'{table}' is not one of source.tables"));
+            } else if self.outbox.contains_key(table) {
+                v.push(
+                    &base,
+                    format!("'{table}' is an outbox table; its events are keyed by stream"),
+                );
+            }
+            v.check(
+                (2..=64).contains(&p.salt_shards),
+                &format!("{base}.salt_shards"),
+                "must be 2 to 64",
+            );
+            if let Some(rate) = p.salt_above_per_sec {
+                v.check(
+                    rate.is_finite() && rate > 0.0,
+                    &format!("{base}.salt_above_per_sec"),
+                    "must be a number greater than 0",
+                );
+                v.check(
+                    h.capacity > 0,
+                    &format!("{base}.salt_above_per_sec"),
+                    "needs hot-key detection, which hot_keys.capacity = 0 turns off",
+                );
+            }
+            if p.salt_above_per_sec.is_none() && p.salt_keys.is_empty() {
+                v.push(
+                    &base,
+                    "salts nothing: set salt_above_per_sec, salt_keys or both".into(),
+                );
+            }
+            for (i, k) in p.salt_keys.iter().enumerate() {
+                v.check(
+                    !k.is_empty(),
+                    &format!("{base}.salt_keys[{i}]"),
+                    "must not be empty",
+                );
+            }
+        }
     }
 
     fn validate_dlq(&self, v: &mut Validator) {

@@ -43,6 +43,8 @@ sources = [{ table = "public.t" }]
 action = "archive"
 [dlq.mappings.TABLE]
 [outbox.TABLE]
+[partitioning.TABLE]
+salt_shards = 8
 "#;
 
 #[derive(Debug, Default)]

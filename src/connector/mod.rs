@@ -44,6 +44,7 @@ use crate::encode::{
 };
 use crate::observe;
 use crate::offsets::{self, Offset};
+use crate::partitioning::{self, Partitioner, Placement};
 use crate::registry::client::{ClientError, RegistryClient};
 use crate::sink::{self, Acks};
 use crate::snapshot_marker::{self, Marker, Phase};
@@ -174,6 +175,10 @@ struct Output {
     db: Arc<str>,
     /// Domain-event topics known to exist (outbox routing).
     domain_topics: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    /// Hot keys and salting; kept across restarts.
+    partitioning: Arc<Partitioner>,
+    /// Partition counts of the salting tables' topics, read at start-up.
+    partitions: Arc<BTreeMap<String, i32>>,
 }
 
 impl Output {
@@ -228,6 +233,10 @@ impl Output {
             .await?;
         codec.set_ids(key_id, value_id);
         tracing::info!(%topic, key_id, value_id, "table schema registered");
+        let partitions = self.partitions.get(&topic).copied().unwrap_or(0);
+        self.partitioning
+            .prepare(&codec, partitions)
+            .map_err(RunError::Config)?;
         Ok(codec)
     }
 
@@ -322,13 +331,40 @@ impl Output {
             }
         }
         codec.meters.event(op, value.len());
+        let placement = match (&key, key_image) {
+            (Some(k), Some(row)) if op != Op::Read => {
+                self.partitioning.place(codec, k, row, op, src.position)
+            }
+            _ => Placement::default(),
+        };
+        let headers = placement.shard.map(|s| {
+            rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+                key: partitioning::SHARD_HEADER,
+                value: Some(s.to_string().as_bytes()),
+            })
+        });
         self.acks
-            .send(&self.producer, topic, key.as_deref(), Some(&value), None)
+            .send_to(
+                &self.producer,
+                topic,
+                placement.partition,
+                key.as_deref(),
+                Some(&value),
+                headers,
+            )
             .await?;
         if op == Op::Delete && key.is_some() {
-            self.acks
-                .send(&self.producer, topic, key.as_deref(), None, None)
-                .await?;
+            if placement.tombstones.is_empty() {
+                self.acks
+                    .send(&self.producer, topic, key.as_deref(), None, None)
+                    .await?;
+            }
+            // Every shard's partition, so none keeps an older value.
+            for p in placement.tombstones {
+                self.acks
+                    .send_to(&self.producer, topic, Some(p), key.as_deref(), None, None)
+                    .await?;
+            }
         }
         Ok(())
     }
@@ -760,9 +796,22 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     let confirmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let watch = tokio::spawn(watch_slot(config.clone(), confirmed.clone()));
     let _stop_watch = AbortOnDrop(watch);
+    let partitioner = Arc::new(Partitioner::new(&config));
+    let publish = {
+        let p = partitioner.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                p.publish();
+            }
+        })
+    };
+    let _stop_publish = AbortOnDrop(publish);
     loop {
         let started = std::time::Instant::now();
-        let error = match run_once(config.clone(), &mut shutdown, &confirmed).await {
+        let run = run_once(config.clone(), &mut shutdown, &confirmed, &partitioner);
+        let error = match run.await {
             Ok(()) => return Ok(()),
             Err(e) => e,
         };
@@ -823,6 +872,7 @@ async fn run_once(
     config: Arc<Config>,
     shutdown: &mut crate::Shutdown,
     progress: &std::sync::atomic::AtomicU64,
+    partitioner: &Arc<Partitioner>,
 ) -> Result<(), RunError> {
     observe::board::set_phase(observe::board::Phase::Starting);
     // Nothing start-up wrote is confirmed yet, so a stop there needs no
@@ -842,7 +892,7 @@ async fn run_once(
             tracing::info!("stopped before streaming began; nothing was confirmed");
             return Ok(());
         }
-        ready = prepare(config.clone()) => ready?,
+        ready = prepare(config.clone(), partitioner.clone()) => ready?,
     };
     let last = stream(
         &output,
@@ -892,7 +942,7 @@ struct Ready {
 
 /// Start-up: publication, topics, the slot, the initial snapshot of a new
 /// slot, then the replication stream started from the slot's position.
-async fn prepare(config: Arc<Config>) -> Result<Ready, RunError> {
+async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<Ready, RunError> {
     let sql = source::connect(&config.source.url).await?;
     slot::ensure_publication(&sql, &config).await?;
     let topics: Vec<String> = config
@@ -900,6 +950,12 @@ async fn prepare(config: Arc<Config>) -> Result<Ready, RunError> {
         .map(|t| config.topic_for(t))
         .collect();
     sink::ensure_topics(&config.kafka, &topics).await?;
+    let salting: Vec<String> = config
+        .changelog_tables()
+        .filter(|t| partitioning.salts(t))
+        .map(|t| config.topic_for(t))
+        .collect();
+    let partitions = sink::partition_counts(&config.kafka, &salting).await?;
     let db: String = sql
         .query_one("SELECT current_database()::text", &[])
         .await?
@@ -993,6 +1049,8 @@ async fn prepare(config: Arc<Config>) -> Result<Ready, RunError> {
         db: Arc::from(db.as_str()),
         config: config.clone(),
         domain_topics: Default::default(),
+        partitioning,
+        partitions: Arc::new(partitions),
     };
 
     let mut repl = ReplicationClient::connect_gated(replication_config(&config)?).await?;

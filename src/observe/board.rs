@@ -251,6 +251,9 @@ impl Board {
                             super::SNAPSHOT_ROWS_ESTIMATED,
                             &[("table", t)],
                         ),
+                        hot_keys: hot_keys(last, t),
+                        salted_events_total: gauge(super::SALTED_EVENTS, &[("table", t)])
+                            .unwrap_or(0.0),
                     });
                 }
                 let retained: Vec<f64> = samples
@@ -376,6 +379,43 @@ pub struct TableStatus {
     pub snapshot_rows: f64,
     /// The planner's estimate of the table's rows when its snapshot began.
     pub snapshot_rows_estimated: Option<f64>,
+    /// Keys at or above `hot_keys.report_per_sec`, hottest first.
+    pub hot_keys: Vec<HotKeyStatus>,
+    pub salted_events_total: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct HotKeyStatus {
+    /// The key's text (a fingerprint under `hot_keys.redact_keys`).
+    pub key: String,
+    /// Changes per second, a lower bound.
+    pub rate_per_sec: f64,
+    /// Its part of the table's changes.
+    pub share: f64,
+    pub salted: bool,
+}
+
+/// A table's hot keys in the latest sample (cooled keys read 0).
+fn hot_keys(last: &Scrape, table: &str) -> Vec<HotKeyStatus> {
+    let filter = [("table", table)];
+    let mut out: Vec<HotKeyStatus> = last
+        .matching(super::HOT_KEY_RATE, &filter)
+        .filter(|s| s.value > 0.0)
+        .filter_map(|s| {
+            let key = s.labels.get("key")?.clone();
+            let one = [("table", table), ("key", key.as_str())];
+            let share = last.sum(super::HOT_KEY_SHARE, &one).unwrap_or(0.0);
+            let salted = last.sum(super::HOT_KEY_SALTED, &one).unwrap_or(0.0) >= 1.0;
+            Some(HotKeyStatus {
+                rate_per_sec: s.value,
+                share,
+                salted,
+                key,
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| b.rate_per_sec.total_cmp(&a.rate_per_sec));
+    out
 }
 
 #[derive(Debug, Clone, Serialize)]

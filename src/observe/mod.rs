@@ -8,6 +8,7 @@
 
 pub mod board;
 pub mod page;
+pub mod report;
 pub mod scrape;
 pub mod server;
 
@@ -106,6 +107,14 @@ pub const DLQ_ARRIVAL_BASELINE: &str = "pgcdc_dlq_arrival_baseline_per_hour";
 pub const DLQ_WARNINGS: &str = "pgcdc_dlq_health_warnings";
 /// Messages a policy replayed or archived, by policy and action.
 pub const DLQ_POLICY_ACTIONS: &str = "pgcdc_dlq_policy_actions_total";
+/// A hot key's rate (changes/s, a lower bound), by table and key.
+pub const HOT_KEY_RATE: &str = "pgcdc_hot_key_rate";
+/// A hot key's share of its table's changes, by table and key.
+pub const HOT_KEY_SHARE: &str = "pgcdc_hot_key_share";
+/// 1 while a hot key is salted, by table and key.
+pub const HOT_KEY_SALTED: &str = "pgcdc_hot_key_salted";
+/// Events sent to a salted key's shard, by table.
+pub const SALTED_EVENTS: &str = "pgcdc_salted_events_total";
 
 /// A table's event counters ([`EVENTS`] by op, [`EVENT_BYTES`]), each
 /// registered at its first use and then kept: a labelled look-up per event
@@ -327,6 +336,19 @@ fn describe() {
         "WAL that can be written before the slot is at risk of invalidation"
     );
     metrics::describe_counter!(RETENTION_CHECK_ERRORS, "Retention checks that failed");
+    metrics::describe_gauge!(
+        HOT_KEY_RATE,
+        "Changes per second of a hot key (a lower bound), by table and key"
+    );
+    metrics::describe_gauge!(
+        HOT_KEY_SHARE,
+        "A hot key's share of its table's changes, by table and key"
+    );
+    metrics::describe_gauge!(HOT_KEY_SALTED, "1 while a hot key is salted");
+    metrics::describe_counter!(
+        SALTED_EVENTS,
+        "Events spread over a salted key's shards, by table"
+    );
     metrics::describe_counter!(
         CONNECTOR_QUARANTINED,
         "Changes the connector sent to the dead-letter topic, by class"

@@ -155,6 +155,33 @@ fn tables_section(out: &mut String, tables: &[TableStatus]) {
         );
     }
     out.push_str("</table>");
+    hot_keys_section(out, tables);
+}
+
+/// Keys at or above `hot_keys.report_per_sec`; nothing when none is.
+fn hot_keys_section(out: &mut String, tables: &[TableStatus]) {
+    if tables.iter().all(|t| t.hot_keys.is_empty()) {
+        return;
+    }
+    out.push_str(
+        "<h2>Hot keys</h2><table><tr><th>table</th><th>key</th><th>changes/s</th>\
+         <th>share</th><th>salted</th></tr>",
+    );
+    for t in tables {
+        for k in &t.hot_keys {
+            let _ = write!(
+                out,
+                "<tr data-hot-key=\"{key}\"><td>{table}</td><td><code>{key}</code></td>\
+                 <td class=\"num\">{}</td><td class=\"num\">{:.0}%</td><td>{}</td></tr>",
+                rate(k.rate_per_sec),
+                k.share * 100.0,
+                if k.salted { "yes" } else { "no" },
+                key = esc(&k.key),
+                table = esc(&t.table),
+            );
+        }
+    }
+    out.push_str("</table>");
 }
 
 fn models_section(out: &mut String, models: &[ReadModelStatus]) {
@@ -323,6 +350,13 @@ mod tests {
                 events_per_sec_history: vec![0.0, 50.0, 100.0],
                 snapshot_rows: 50.0,
                 snapshot_rows_estimated: Some(100.0),
+                hot_keys: vec![super::super::board::HotKeyStatus {
+                    key: "42<".into(),
+                    rate_per_sec: 900.0,
+                    share: 0.5,
+                    salted: true,
+                }],
+                salted_events_total: 10.0,
             }],
             slot: Some(SlotStatus {
                 slot: "pgcdc_demo".into(),
@@ -365,6 +399,11 @@ mod tests {
         assert!(page.contains("width:50%"), "snapshot progress at half");
         assert!(page.contains("id=\"stall-warning\""));
         assert!(page.contains("data-alert=\"slot_stalled\""));
+        assert!(
+            page.contains("<tr data-hot-key=\"42&lt;\">"),
+            "hot keys, escaped"
+        );
+        assert!(page.contains("<td class=\"num\">50%</td><td>yes</td>"));
         assert!(
             page.contains("class=\"plot alarm\""),
             "the WAL plot turns red on a stall"

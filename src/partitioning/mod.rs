@@ -1,0 +1,391 @@
+//! Where each changelog event goes: hot-key detection and salting.
+//!
+//! Guarantees:
+//! - **Per-key order unless salted.** An event goes to the partition
+//!   Kafka's Java client would pick for its key (murmur2 of the key bytes
+//!   modulo the partition count), the same one librdkafka picks, unless
+//!   its table salts and its key is salted right now.
+//! - **A salted key spreads over `min(salt_shards, partitions)`
+//!   partitions**: its own and the ones after it, shard `s` going to
+//!   `(own + s) mod partitions`. The shard comes from the event's
+//!   position, so a replay after a crash sends each event where it went
+//!   before. Salted events carry the header `pgcdc.shard`. Order between
+//!   shards is lost; the materializer's position guard is what keeps an
+//!   older change from overwriting a newer one.
+//! - **Deletes reach every shard.** On a salting table a delete's
+//!   tombstone goes to each of the key's shard partitions, so compaction
+//!   cannot keep an older salted value of a deleted key in some other
+//!   partition.
+//! - **Detection is bounded and never overstates** (see [`sketch`]):
+//!   reported rates are lower bounds. It counts streamed inserts, updates
+//!   and deletes, not snapshot rows.
+//!
+//! ```text
+//!  event key ──► sketch (rate) ──► declared, or rate ≥ salt_above_per_sec?
+//!                                      │ no                │ yes
+//!                             own partition      (own + shard(position)) mod n
+//! ```
+
+pub mod sketch;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::config::{Config, HotKeysConfig, PartitioningConfig};
+use crate::encode::types::Input;
+use crate::encode::{Op, Position, TableCodec};
+use crate::observe;
+use sketch::Sketch;
+
+/// The header naming a salted event's shard.
+pub const SHARD_HEADER: &str = "pgcdc.shard";
+
+/// Where one event goes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// An explicit partition, or `None` for the producer's partitioner.
+    pub partition: Option<i32>,
+    /// The shard of a salted event.
+    pub shard: Option<u32>,
+    /// Partitions a delete's tombstone goes to (empty: the key's own,
+    /// chosen by the producer).
+    pub tombstones: Vec<i32>,
+}
+
+struct Table {
+    salt: Option<PartitioningConfig>,
+    sketch: Option<Mutex<Sketch>>,
+    /// The topic's partition count (0 until known).
+    partitions: AtomicI32,
+    /// Hashes of the declared `salt_keys`, encoded with the table's codec.
+    declared: Mutex<HashSet<u64>>,
+    salted: OnceLock<metrics::Counter>,
+    /// Keys published as hot last time, to zero when they cool.
+    published: Mutex<HashMap<u64, String>>,
+}
+
+/// The connector's partitioning decisions, shared by its tasks.
+pub struct Partitioner {
+    hot: HotKeysConfig,
+    tables: HashMap<String, Table>,
+}
+
+impl std::fmt::Debug for Partitioner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Partitioner")
+            .field("tables", &self.tables.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// FNV-1a: keys are short, and the sketch needs no stronger hash.
+pub fn key_hash(key: &[u8]) -> u64 {
+    key.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// A position's shard among `span`; positions differ in their low bits,
+/// so they are mixed first (splitmix64).
+pub fn shard_of(position: Position, span: u32) -> u32 {
+    let mut z = position
+        .commit_lsn
+        .wrapping_add(position.seq.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    (z % u64::from(span.max(1))) as u32
+}
+
+/// The partitions of a key salted over `shards` in a topic of
+/// `partitions`: its own first.
+pub fn shard_partitions(key: &[u8], shards: u32, partitions: i32) -> Vec<i32> {
+    let own = crate::sink::partition_for(key, partitions);
+    let span = (shards as i32).min(partitions).max(1);
+    (0..span).map(|s| (own + s) % partitions).collect()
+}
+
+/// A key's text form, as `salt_keys` declares it and metrics show it: one
+/// column's text, or a JSON array of several columns' texts.
+pub fn key_label(codec: &TableCodec, row: &[Input<'_>]) -> String {
+    let texts: Vec<Option<String>> = codec
+        .desc
+        .columns
+        .iter()
+        .zip(row)
+        .filter(|(c, _)| c.key)
+        .map(|(_, v)| match v {
+            Input::Text(t) => Some(String::from_utf8_lossy(t).into_owned()),
+            Input::Null | Input::Unchanged => None,
+        })
+        .collect();
+    match texts.as_slice() {
+        [Some(one)] => one.clone(),
+        _ => serde_json::to_string(&texts).unwrap_or_default(),
+    }
+}
+
+/// The key columns' texts of a declared key (see [`key_label`]).
+fn parse_declared(text: &str, columns: usize) -> Result<Vec<String>, String> {
+    if columns == 1 {
+        return Ok(vec![text.to_string()]);
+    }
+    let parts: Vec<serde_json::Value> = serde_json::from_str(text).map_err(|_| {
+        format!("the key has {columns} columns: write it as a JSON array of their texts")
+    })?;
+    if parts.len() != columns {
+        return Err(format!(
+            "has {} values but the key has {columns} columns",
+            parts.len()
+        ));
+    }
+    Ok(parts
+        .into_iter()
+        .map(|v| match v {
+            serde_json::Value::String(s) => s,
+            other => other.to_string(),
+        })
+        .collect())
+}
+
+impl Partitioner {
+    pub fn new(config: &Config) -> Partitioner {
+        let now = Instant::now();
+        let hot = config.hot_keys.clone();
+        let window = Duration::from_secs(hot.window_secs);
+        let tables = config
+            .changelog_tables()
+            .map(|t| {
+                let table = Table {
+                    salt: config.partitioning.get(t).cloned(),
+                    sketch: (hot.capacity > 0)
+                        .then(|| Mutex::new(Sketch::new(hot.capacity, window, now))),
+                    partitions: AtomicI32::new(0),
+                    declared: Mutex::default(),
+                    salted: OnceLock::new(),
+                    published: Mutex::default(),
+                };
+                (t.clone(), table)
+            })
+            .collect();
+        Partitioner { hot, tables }
+    }
+
+    /// Whether `table` salts (and so needs its topic's partition count).
+    pub fn salts(&self, table: &str) -> bool {
+        self.tables.get(table).is_some_and(|t| t.salt.is_some())
+    }
+
+    /// Takes a table's codec (after its schemas are registered, as the
+    /// key bytes carry the key schema's id) and its topic's partition
+    /// count: the declared keys are encoded as its events' keys are. An
+    /// error names the declared key's field.
+    pub fn prepare(&self, codec: &TableCodec, partitions: i32) -> Result<(), String> {
+        let Some(t) = self.tables.get(&codec.table) else {
+            return Ok(());
+        };
+        t.partitions.store(partitions, Ordering::Relaxed);
+        let Some(salt) = &t.salt else {
+            return Ok(());
+        };
+        let key_columns = codec.desc.columns.iter().filter(|c| c.key).count();
+        let mut declared = HashSet::new();
+        for (i, text) in salt.salt_keys.iter().enumerate() {
+            let path = format!("partitioning.\"{}\".salt_keys[{i}]", codec.table);
+            if key_columns == 0 {
+                return Err(format!("{path}: {} has no primary key", codec.table));
+            }
+            let texts = parse_declared(text, key_columns).map_err(|e| format!("{path}: {e}"))?;
+            let mut texts = texts.iter();
+            let row: Vec<Input<'_>> = codec
+                .desc
+                .columns
+                .iter()
+                .map(|c| match c.key {
+                    true => texts
+                        .next()
+                        .map_or(Input::Null, |t| Input::Text(t.as_bytes())),
+                    false => Input::Null,
+                })
+                .collect();
+            let key = codec.encode_key(&row).map_err(|e| format!("{path}: {e}"))?;
+            declared.insert(key_hash(&key));
+        }
+        *t.declared.lock().unwrap_or_else(|e| e.into_inner()) = declared;
+        Ok(())
+    }
+
+    /// Where an event of `table` with the framed `key` goes, counting it
+    /// in the table's sketch. `row` is the image the key was taken from.
+    pub fn place(
+        &self,
+        codec: &TableCodec,
+        key: &[u8],
+        row: &[Input<'_>],
+        op: Op,
+        position: Position,
+    ) -> Placement {
+        let Some(t) = self.tables.get(&codec.table) else {
+            return Placement::default();
+        };
+        let hash = key_hash(key);
+        let mut rate = 0.0;
+        if let Some(sketch) = &t.sketch {
+            let now = Instant::now();
+            let mut s = sketch.lock().unwrap_or_else(|e| e.into_inner());
+            let i = s.observe(hash, now);
+            rate = s.rate(i, now);
+            // Only reported keys need their text, so cold keys cost none.
+            if rate >= self.hot.report_per_sec && s.label(i).is_none() {
+                s.set_label(i, self.shown(hash, || key_label(codec, row)));
+            }
+        }
+        let Some(salt) = &t.salt else {
+            return Placement::default();
+        };
+        let partitions = t.partitions.load(Ordering::Relaxed);
+        if partitions <= 1 {
+            return Placement::default();
+        }
+        let shards = shard_partitions(key, salt.salt_shards, partitions);
+        let tombstones = if op == Op::Delete {
+            shards.clone()
+        } else {
+            Vec::new()
+        };
+        let salted = salt.salt_above_per_sec.is_some_and(|above| rate >= above)
+            || t.declared
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&hash);
+        if !salted {
+            return Placement {
+                tombstones,
+                ..Placement::default()
+            };
+        }
+        let shard = shard_of(position, shards.len() as u32);
+        t.salted
+            .get_or_init(
+                || metrics::counter!(observe::SALTED_EVENTS, "table" => codec.table.clone()),
+            )
+            .increment(1);
+        Placement {
+            partition: Some(shards[shard as usize]),
+            shard: Some(shard),
+            tombstones,
+        }
+    }
+
+    /// A key as metrics and `pgcdc status` show it.
+    fn shown(&self, hash: u64, label: impl FnOnce() -> String) -> String {
+        if self.hot.redact_keys {
+            format!("#{hash:016x}")
+        } else {
+            label()
+        }
+    }
+
+    /// Exports every table's hot keys (`pgcdc_hot_key_rate`, `_share`,
+    /// `_salted`), zeroing the ones that cooled since the last call. Run
+    /// every second, so quiet tables fade too.
+    pub fn publish(&self) {
+        let now = Instant::now();
+        for (table, t) in &self.tables {
+            let Some(sketch) = &t.sketch else { continue };
+            let hot = sketch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .hot(self.hot.report_per_sec, now);
+            let declared = t.declared.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let mut published = t.published.lock().unwrap_or_else(|e| e.into_inner());
+            let mut now_hot = HashMap::new();
+            for h in hot {
+                let key = h
+                    .label
+                    .clone()
+                    .unwrap_or_else(|| self.shown(h.hash, || format!("#{:016x}", h.hash)));
+                let salted = t.salt.as_ref().is_some_and(|s| {
+                    s.salt_above_per_sec.is_some_and(|a| h.rate >= a) || declared.contains(&h.hash)
+                });
+                let labels = [("table", table.clone()), ("key", key.clone())];
+                metrics::gauge!(observe::HOT_KEY_RATE, &labels).set(h.rate);
+                metrics::gauge!(observe::HOT_KEY_SHARE, &labels).set(h.share);
+                metrics::gauge!(observe::HOT_KEY_SALTED, &labels).set(f64::from(u8::from(salted)));
+                if !published.contains_key(&h.hash) {
+                    tracing::info!(%table, fingerprint = format!("#{:016x}", h.hash),
+                        rate = h.rate.round(), share = format!("{:.2}", h.share), salted,
+                        "hot key: its rate reached hot_keys.report_per_sec");
+                }
+                now_hot.insert(h.hash, key);
+            }
+            for (hash, key) in published.iter() {
+                if !now_hot.contains_key(hash) {
+                    let labels = [("table", table.clone()), ("key", key.clone())];
+                    metrics::gauge!(observe::HOT_KEY_RATE, &labels).set(0.0);
+                    metrics::gauge!(observe::HOT_KEY_SHARE, &labels).set(0.0);
+                    metrics::gauge!(observe::HOT_KEY_SALTED, &labels).set(0.0);
+                }
+            }
+            *published = now_hot;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::partition_for;
+
+    #[test]
+    fn a_salted_key_spreads_over_its_shards_and_its_own_partition_comes_first() {
+        let key = b"\x00\x00\x00\x00\x01\x02";
+        let own = partition_for(key, 12);
+        let shards = shard_partitions(key, 8, 12);
+        assert_eq!(shards.len(), 8);
+        assert_eq!(shards[0], own);
+        assert_eq!(shards.iter().collect::<HashSet<_>>().len(), 8, "{shards:?}");
+        assert!(shards.iter().all(|p| (0..12).contains(p)));
+        // Never more shards than partitions.
+        assert_eq!(shard_partitions(key, 8, 3).len(), 3);
+    }
+
+    #[test]
+    fn shards_of_consecutive_positions_cover_every_shard_evenly() {
+        let mut seen = [0u32; 8];
+        for lsn in 0..8000u64 {
+            let s = shard_of(
+                Position {
+                    commit_lsn: 0x1_6000_0000 + lsn * 56,
+                    seq: lsn % 3,
+                },
+                8,
+            );
+            seen[s as usize] += 1;
+        }
+        assert!(seen.iter().all(|n| (800..1200).contains(n)), "{seen:?}");
+        // The same position, the same shard (a replay goes where it went).
+        let p = Position {
+            commit_lsn: 42,
+            seq: 1,
+        };
+        assert_eq!(shard_of(p, 8), shard_of(p, 8));
+    }
+
+    #[test]
+    fn declared_keys_of_several_columns_are_json_arrays() {
+        assert_eq!(parse_declared("42", 1).expect("parsed"), vec!["42"]);
+        assert_eq!(
+            parse_declared(r#"["7", 3]"#, 2).expect("parsed"),
+            vec!["7".to_string(), "3".to_string()]
+        );
+        assert!(parse_declared("7,3", 2)
+            .expect_err("refused")
+            .contains("JSON array"));
+        assert!(parse_declared(r#"["7"]"#, 2)
+            .expect_err("refused")
+            .contains("2 columns"));
+    }
+}

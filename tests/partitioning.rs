@@ -1,0 +1,366 @@
+//! Hot keys and salting end to end: one order takes half of the changes,
+//! the connector detects it and salts it over 8 shards of an 8-partition
+//! topic, a declared customer is salted from its first change, and the
+//! read models converge, both from the topics as they are and from every
+//! record delivered again in shuffled order.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use apache_avro::types::Value;
+use serde_json::Value as Json;
+
+use crate::materialize::{self, Rng};
+use crate::support::{self, ConfigFile, ConnectorProcess, Decoder, Record, Stack, TestDb};
+
+const HOT_ORDER: i64 = 1_000_000;
+const DECLARED_CUSTOMER: i64 = 7;
+
+/// Half the changes are updates of the hot order; the rest spread over
+/// the other orders and the customers, with inserts and deletes. The
+/// declared customer is renamed now and then. The hot order is deleted
+/// and inserted again at the end, so its tombstones and its new life
+/// cross the shards too. Runs at least `changes`, and on until `stop`.
+async fn hot_workload(
+    client: &tokio_postgres::Client,
+    changes: usize,
+    seed: u64,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    let mut rng = Rng(seed);
+    let (mut next_order, mut next_customer) = materialize::next_ids(client).await.expect("ids");
+    let mut done = 0;
+    while done < changes || !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut sql = String::from("BEGIN;");
+        for _ in 0..20 {
+            if rng.below(2) == 0 {
+                // An upsert: the random statements may delete it.
+                sql.push_str(&format!(
+                    "INSERT INTO public.orders (id, customer_id, amount, status) VALUES ({HOT_ORDER}, 1, 1.00, 'hot')
+                     ON CONFLICT (id) DO UPDATE SET amount = orders.amount + 1, status = 'hot {done}';"
+                ));
+            } else if rng.below(10) == 0 {
+                sql.push_str(&format!(
+                    "UPDATE public.customers SET name = 'declared {done}' WHERE id = {DECLARED_CUSTOMER};"
+                ));
+            } else {
+                sql.push_str(&materialize::statement(
+                    &mut rng,
+                    &mut next_order,
+                    &mut next_customer,
+                ));
+            }
+            done += 1;
+        }
+        sql.push_str("COMMIT;");
+        client.batch_execute(&sql).await.expect("workload");
+    }
+    client
+        .batch_execute(&format!(
+            "DELETE FROM public.orders WHERE id = {HOT_ORDER};
+             INSERT INTO public.orders (id, customer_id, amount, status) VALUES ({HOT_ORDER}, 1, 1.00, 'reborn');
+             UPDATE public.orders SET amount = 2.00 WHERE id = {HOT_ORDER};"
+        ))
+        .await
+        .expect("rebirth");
+}
+
+fn config_toml(stack: &Stack, source: &TestDb, target: &TestDb) -> String {
+    let base = materialize::pipeline(stack, source, target)
+        .replace("[kafka]\n", "[kafka]\npartitions = 8\n");
+    format!(
+        r#"{base}
+[hot_keys]
+window_secs = 2
+report_per_sec = 20
+
+[partitioning."public.orders"]
+salt_shards = 8
+salt_above_per_sec = 40
+
+[partitioning."public.customers"]
+salt_shards = 4
+salt_keys = ["{DECLARED_CUSTOMER}"]
+"#
+    )
+}
+
+/// Every record of a topic.
+async fn all_records(stack: &Stack, topic: &str) -> Vec<Record> {
+    let n = materialize::end_offsets(stack, topic).await as usize;
+    support::read_topic(stack, topic, n, Duration::from_secs(120)).await
+}
+
+fn long(v: &Value) -> i64 {
+    match v {
+        Value::Long(n) => *n,
+        Value::Int(n) => i64::from(*n),
+        Value::Union(_, inner) => long(inner),
+        other => panic!("not a long: {other:?}"),
+    }
+}
+
+/// `(id, position)` of a changelog record; no position for a tombstone.
+async fn id_and_position(decoder: &mut Decoder, r: &Record) -> (i64, Option<(i64, i64)>) {
+    let key = decoder.decode(r.key.as_ref().expect("keyed")).await;
+    let id = long(support::field(&key, "id"));
+    let position = match &r.value {
+        Some(v) => {
+            let v = decoder.decode(v).await;
+            let src = support::field(&v, "source");
+            Some((
+                long(support::field(src, "commit_lsn")),
+                long(support::field(src, "seq")),
+            ))
+        }
+        None => None,
+    };
+    (id, position)
+}
+
+#[tokio::test]
+async fn a_hot_key_salted_over_8_shards_spreads_and_the_read_models_still_converge() {
+    let stack = support::stack();
+    let (source_db, target_db, source, target) =
+        materialize::databases(&stack, "salt", 200, 2000).await;
+    let config = ConfigFile::write(&config_toml(&stack, &source_db, &target_db));
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let connector = ConnectorProcess::start_with(&config, &["--http-addr", &addr]);
+    let consumer = materialize::materializer(&config, &[], &[]);
+    support::wait_streaming(&source, &source_db.name).await;
+
+    // While the hot order burns, `pgcdc status` names it, salted.
+    let url = source_db.url.clone();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop_load = stop.clone();
+    let load = tokio::spawn(async move {
+        let client = support::connect(&url).await;
+        hot_workload(&client, 40_000, 0x5eed_0001, &stop_load).await;
+    });
+    let mut seen = String::new();
+    support::wait_for(
+        "pgcdc status to show the hot order salted",
+        Duration::from_secs(120),
+        async || {
+            let run = support::pgcdc(&["status", "--http-addr", &addr]).await;
+            seen = run.all_output();
+            let line = seen
+                .lines()
+                .find(|l| l.starts_with("public.orders") && l.contains(&format!(" {HOT_ORDER} ")));
+            line.is_some_and(|l| l.ends_with("yes"))
+        },
+    )
+    .await;
+    let json = support::pgcdc(&["status", "--http-addr", &addr, "--json"]).await;
+    let status: Json = serde_json::from_str(&json.stdout).expect("status json");
+    let orders = status["tables"]
+        .as_array()
+        .expect("tables")
+        .iter()
+        .find(|t| t["table"] == "public.orders")
+        .expect("orders");
+    let hot = &orders["hot_keys"][0];
+    assert_eq!(hot["key"], HOT_ORDER.to_string(), "{seen}");
+    assert!(
+        hot["share"].as_f64().expect("share") > 0.4,
+        "about half of the changes: {hot}"
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.expect("workload");
+    materialize::wait_converged(&source, &target).await;
+
+    // The hot order's events spread over the topic's partitions; every
+    // other key stays in its own partition (Java's murmur2 partitioner).
+    let mut decoder = Decoder::new(&stack);
+    let orders_topic = format!("{}.public.orders", source_db.name);
+    let records = all_records(&stack, &orders_topic).await;
+    let mut hot_partitions = BTreeSet::new();
+    let mut salted = 0;
+    for r in &records {
+        let key = r.key.as_deref().expect("keyed");
+        let own = pgcdc::sink::partition_for(key, 8);
+        let (id, _) = id_and_position(&mut decoder, r).await;
+        let shards = pgcdc::partitioning::shard_partitions(key, 8, 8);
+        if r.value.is_none() {
+            assert!(
+                shards.contains(&r.partition),
+                "a tombstone outside its key's shards"
+            );
+            continue;
+        }
+        match r.header(pgcdc::partitioning::SHARD_HEADER) {
+            Some(shard) => {
+                assert_eq!(id, HOT_ORDER, "only the hot order is salted");
+                let shard: usize = shard.parse().expect("shard number");
+                assert_eq!(
+                    r.partition, shards[shard],
+                    "shard s goes to (own + s) mod n"
+                );
+                salted += 1;
+            }
+            None => assert_eq!(r.partition, own, "order {id} left its partition unsalted"),
+        }
+        if id == HOT_ORDER {
+            hot_partitions.insert(r.partition);
+        }
+    }
+    assert!(
+        hot_partitions.len() >= 4,
+        "the hot order reached only partitions {hot_partitions:?}"
+    );
+    assert!(salted > 10_000, "{salted} salted events");
+    // The delete's tombstones reached every shard of the hot order.
+    let hot_key = records
+        .iter()
+        .find(|r| r.header(pgcdc::partitioning::SHARD_HEADER).is_some())
+        .and_then(|r| r.key.clone())
+        .expect("a salted record");
+    let tombstones: BTreeSet<i32> = records
+        .iter()
+        .filter(|r| r.value.is_none() && r.key.as_ref() == Some(&hot_key))
+        .map(|r| r.partition)
+        .collect();
+    assert_eq!(tombstones.len(), 8, "tombstones in {tombstones:?}");
+
+    // The declared customer is salted from its first change, over 4.
+    let customers_topic = format!("{}.public.customers", source_db.name);
+    let customers = all_records(&stack, &customers_topic).await;
+    let mut declared = BTreeSet::new();
+    for r in customers.iter().filter(|r| r.value.is_some()) {
+        let (id, _) = id_and_position(&mut decoder, r).await;
+        let is_salted = r.header(pgcdc::partitioning::SHARD_HEADER).is_some();
+        if id == DECLARED_CUSTOMER && is_salted {
+            declared.insert(r.partition);
+        } else {
+            assert!(!is_salted, "customer {id} salted");
+        }
+    }
+    assert_eq!(declared.len(), 4, "declared customer in {declared:?}");
+
+    // The same records delivered again in shuffled order, into a fresh
+    // target: the position guard keeps the newest change of every key.
+    let shuffled = format!("{}_shuf", source_db.name);
+    let mut rng = Rng(0xdead_beef);
+    let mut inversions = 0;
+    for (topic, mut all) in [
+        (orders_topic.as_str(), records.clone()),
+        (customers_topic.as_str(), customers.clone()),
+    ] {
+        for i in (1..all.len()).rev() {
+            all.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        if topic == orders_topic {
+            let mut last: Option<(i64, i64)> = None;
+            for r in &all {
+                if let (HOT_ORDER, Some(p)) = id_and_position(&mut decoder, r).await {
+                    inversions += usize::from(last.is_some_and(|l| l > p));
+                    last = Some(p);
+                }
+            }
+        }
+        let copy = topic.replacen(&source_db.name, &shuffled, 1);
+        support::create_topic(&stack, &copy, &[]).await;
+        copy_subjects(&stack, topic, &copy).await;
+        produce_in_order(&stack, &copy, &all).await;
+    }
+    assert!(
+        inversions > 1000,
+        "the shuffle put only {inversions} older hot-order changes after newer ones"
+    );
+    let again = TestDb::create(&stack, "salt_again").await;
+    let replay_toml = materialize::pipeline(&stack, &source_db, &again)
+        .replace(
+            &format!("topic_prefix = \"{}\"", source_db.name),
+            &format!("topic_prefix = \"{shuffled}\""),
+        )
+        .replace(
+            &format!("name = \"{}\"", source_db.name),
+            &format!("name = \"{shuffled}\""),
+        );
+    let replay_config = ConfigFile::write(&replay_toml);
+    let replayer = materialize::materializer(&replay_config, &[], &[]);
+    let again_client = again.client().await;
+    materialize::wait_converged(&source, &again_client).await;
+
+    // A partition count that differs from the topic's is flagged.
+    let wrong = ConfigFile::write(
+        &config_toml(&stack, &source_db, &target_db)
+            .replace("partitions = 8\n", "partitions = 3\n"),
+    );
+    let check = support::pgcdc(&["check", "--config", wrong.arg()]).await;
+    let line = check
+        .check_line(&format!("kafka.partitions.{orders_topic}"))
+        .unwrap_or_else(|| panic!("{}", check.all_output()));
+    assert!(line.starts_with("WARN"), "{line}");
+    assert!(line.contains("remaps keys"), "{line}");
+
+    assert_eq!(materialize::terminate(replayer).await, Some(0));
+    assert_eq!(materialize::terminate(consumer).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+    again.drop_db().await;
+}
+
+/// Registers the latest schemas of `from`'s subjects under `to`'s.
+async fn copy_subjects(stack: &Stack, from: &str, to: &str) {
+    let http = reqwest::Client::new();
+    for part in ["key", "value"] {
+        let latest: Json = http
+            .get(format!(
+                "{}/subjects/{from}-{part}/versions/latest",
+                stack.registry_url
+            ))
+            .send()
+            .await
+            .expect("registry")
+            .json()
+            .await
+            .expect("json");
+        let r = http
+            .post(format!(
+                "{}/subjects/{to}-{part}/versions",
+                stack.registry_url
+            ))
+            .header("Content-Type", "application/vnd.schemaregistry.v1+json")
+            .body(serde_json::json!({"schema": latest["schema"]}).to_string())
+            .send()
+            .await
+            .expect("register");
+        assert!(
+            r.status().is_success(),
+            "register {to}-{part}: {}",
+            r.status()
+        );
+    }
+}
+
+/// Produces `records` to partition 0 of `topic` in the order given.
+async fn produce_in_order(stack: &Stack, topic: &str, records: &[Record]) {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &stack.brokers)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    let mut pending = Vec::new();
+    for r in records {
+        let mut record: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(topic).partition(0);
+        if let Some(k) = &r.key {
+            record = record.key(k.as_slice());
+        }
+        if let Some(v) = &r.value {
+            record = record.payload(v.as_slice());
+        }
+        pending.push(producer.send_result(record).expect("queue"));
+        if pending.len() >= 10_000 {
+            for p in pending.drain(..) {
+                p.await.expect("delivery").expect("acknowledged");
+            }
+        }
+    }
+    for p in pending {
+        p.await.expect("delivery").expect("acknowledged");
+    }
+}
