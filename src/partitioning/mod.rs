@@ -66,6 +66,20 @@ struct Table {
     published: Mutex<HashMap<u64, String>>,
 }
 
+impl Table {
+    /// Whether a key at `rate` is salted: declared, or at the threshold.
+    fn salts_key(&self, hash: u64, rate: f64) -> bool {
+        self.salt.as_ref().is_some_and(|s| {
+            s.salt_above_per_sec.is_some_and(|above| rate >= above)
+                || self
+                    .declared
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .contains(&hash)
+        })
+    }
+}
+
 /// The connector's partitioning decisions, shared by its tasks.
 pub struct Partitioner {
     hot: HotKeysConfig,
@@ -97,6 +111,11 @@ pub fn shard_of(position: Position, span: u32) -> u32 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^= z >> 31;
     (z % u64::from(span.max(1))) as u32
+}
+
+/// A key as logs show it, and metrics under `hot_keys.redact_keys`.
+fn fingerprint(hash: u64) -> String {
+    format!("#{hash:016x}")
 }
 
 /// The partitions of a key salted over `shards` in a topic of
@@ -255,12 +274,7 @@ impl Partitioner {
         } else {
             Vec::new()
         };
-        let salted = salt.salt_above_per_sec.is_some_and(|above| rate >= above)
-            || t.declared
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .contains(&hash);
-        if !salted {
+        if !t.salts_key(hash, rate) {
             return Placement {
                 tombstones,
                 ..Placement::default()
@@ -282,7 +296,7 @@ impl Partitioner {
     /// A key as metrics and `pgcdc status` show it.
     fn shown(&self, hash: u64, label: impl FnOnce() -> String) -> String {
         if self.hot.redact_keys {
-            format!("#{hash:016x}")
+            fingerprint(hash)
         } else {
             label()
         }
@@ -299,23 +313,17 @@ impl Partitioner {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .hot(self.hot.report_per_sec, now);
-            let declared = t.declared.lock().unwrap_or_else(|e| e.into_inner()).clone();
             let mut published = t.published.lock().unwrap_or_else(|e| e.into_inner());
             let mut now_hot = HashMap::new();
             for h in hot {
-                let key = h
-                    .label
-                    .clone()
-                    .unwrap_or_else(|| self.shown(h.hash, || format!("#{:016x}", h.hash)));
-                let salted = t.salt.as_ref().is_some_and(|s| {
-                    s.salt_above_per_sec.is_some_and(|a| h.rate >= a) || declared.contains(&h.hash)
-                });
+                let key = h.label.clone().unwrap_or_else(|| fingerprint(h.hash));
+                let salted = t.salts_key(h.hash, h.rate);
                 let labels = [("table", table.clone()), ("key", key.clone())];
                 metrics::gauge!(observe::HOT_KEY_RATE, &labels).set(h.rate);
                 metrics::gauge!(observe::HOT_KEY_SHARE, &labels).set(h.share);
                 metrics::gauge!(observe::HOT_KEY_SALTED, &labels).set(f64::from(u8::from(salted)));
                 if !published.contains_key(&h.hash) {
-                    tracing::info!(%table, fingerprint = format!("#{:016x}", h.hash),
+                    tracing::info!(%table, fingerprint = fingerprint(h.hash),
                         rate = h.rate.round(), share = format!("{:.2}", h.share), salted,
                         "hot key: its rate reached hot_keys.report_per_sec");
                 }
