@@ -808,15 +808,15 @@ fn partition_checks(config: &Config, table: &str, topic: &str, count: i32, r: &m
             format!("topic {topic} has {count} partitions, as kafka.partitions says"),
         );
     }
-    if let Some(p) = config.partitioning.get(table) {
+    if let Some(shards) = config.partitioning.get(table).and_then(|p| p.salt_shards) {
         let name = format!("partitioning.{table}");
-        if (p.salt_shards as i32) > count {
+        if (shards as i32) > count {
             r.warn(
                 &name,
                 format!(
                     "salt_shards is {} but topic {topic} has {count} partitions: a salted key \
                      spreads over {count} at most",
-                    p.salt_shards
+                    shards
                 ),
                 "add partitions before the topic holds data, or lower salt_shards",
             );
@@ -826,7 +826,7 @@ fn partition_checks(config: &Config, table: &str, topic: &str, count: i32, r: &m
                 format!(
                     "salted keys of {table} spread over {} of {count} partitions (order across \
                      shards is lost; the materializer's position guard keeps the newest)",
-                    p.salt_shards
+                    shards
                 ),
             );
         }

@@ -136,7 +136,7 @@ pub async fn run(
     max: usize,
     idle: Duration,
 ) -> Result<usize, String> {
-    let topics: Vec<String> = tables.iter().map(|t| config.topic_for(t)).collect();
+    let topics: Vec<String> = tables.iter().flat_map(|t| config.topics_of(t)).collect();
     let kafka = config.kafka.clone();
     let registry = RegistryClient::new(&config.registry).map_err(|e| e.to_string())?;
     let (tx, mut rx) =

@@ -364,3 +364,372 @@ async fn produce_in_order(stack: &Stack, topic: &str, records: &[Record]) {
         p.await.expect("delivery").expect("acknowledged");
     }
 }
+
+/// A key (of tenant `t9`) declared in `dedicated_keys` in the routed run.
+const DEDICATED_KEY: i64 = 0;
+/// The noisy tenant; the nine others are `t1` to `t9`.
+const NOISY: &str = "t0";
+/// The noisy tenant's rows already in Kafka when the materializer starts.
+const BACKLOG: i64 = 120_000;
+/// Others' rows per tenant per tick, and the noisy tenant's (20 times).
+const TICK: Duration = Duration::from_millis(100);
+const TICKS: i64 = 60;
+/// The bound the others' p99 time to visible stays within under quotas
+/// (in the README): far below what the backlog alone costs without them.
+const FAIR_P99: Duration = Duration::from_millis(2500);
+
+/// How one fairness run is set up.
+struct Fairness {
+    label: &'static str,
+    quota: bool,
+    /// The noisy tenant routed to the dedicated topic, with a buffer
+    /// small enough to fill, so that its partitions pause.
+    dedicated: bool,
+}
+
+/// What one run measured.
+struct FairRun {
+    /// The others' times from commit to visible in the mirror, sorted.
+    others: Vec<Duration>,
+    paused_seen: bool,
+}
+
+fn p99(sorted: &[Duration]) -> Duration {
+    sorted[(sorted.len() * 99 / 100).min(sorted.len() - 1)]
+}
+
+/// One tenant floods (a backlog of [`BACKLOG`] rows in Kafka, then 20
+/// times each other tenant's rate) while nine others trickle; returns
+/// the others' times to visible.
+async fn fairness_run(stack: &Stack, run: &Fairness) -> FairRun {
+    let source_db = TestDb::create(stack, &format!("fair_{}_src", run.label)).await;
+    let target_db = TestDb::create(stack, &format!("fair_{}_tgt", run.label)).await;
+    let source = source_db.client().await;
+    let target = target_db.client().await;
+    source
+        .batch_execute(
+            "CREATE TABLE public.events (id bigint PRIMARY KEY, tenant text NOT NULL, n int NOT NULL, note text);
+             ALTER TABLE public.events REPLICA IDENTITY FULL;
+             INSERT INTO public.events VALUES (0, 't9', 0, 'a declared key');",
+        )
+        .await
+        .expect("schema");
+    let mut toml = format!(
+        "{}\n[target]\nurl = \"{}\"\nbatch_size = 500\n",
+        support::pipeline_toml(stack, &source_db.url, &source_db.name, &["public.events"])
+            .replace("[kafka]\n", "[kafka]\npartitions = 4\n"),
+        target_db.url
+    );
+    if run.quota {
+        let max = if run.dedicated { 2_000 } else { 200_000 };
+        toml.push_str(&format!(
+            "[target.tenant_quota]\nrate_per_sec = 200\nmax_deferred = {max}\n"
+        ));
+    }
+    toml.push_str("[partitioning.\"public.events\"]\ntenant_column = \"tenant\"\n");
+    if run.dedicated {
+        toml.push_str(&format!(
+            "dedicated_tenants = [\"{NOISY}\"]\ndedicated_keys = [\"{DEDICATED_KEY}\"]\n"
+        ));
+    }
+    let config = ConfigFile::write(&toml);
+    let connector = ConnectorProcess::start(&config);
+    support::wait_streaming(&source, &source_db.name).await;
+
+    // The flood's backlog, in Kafka before the materializer starts.
+    for chunk in 0..BACKLOG / 4_000 {
+        source
+            .batch_execute(&format!(
+                "INSERT INTO public.events SELECT g, '{NOISY}', 0, repeat('x', 100)
+                 FROM generate_series({} + 1, {}) g",
+                chunk * 4_000,
+                (chunk + 1) * 4_000
+            ))
+            .await
+            .expect("backlog");
+    }
+    let topics: Vec<String> = {
+        let own = format!("{}.public.events", source_db.name);
+        match run.dedicated {
+            true => vec![own.clone(), format!("{own}.dedicated")],
+            false => vec![own],
+        }
+    };
+    support::wait_for(
+        "the backlog to reach Kafka",
+        Duration::from_secs(300),
+        async || {
+            let mut n = 0;
+            for t in &topics {
+                n += materialize::end_offsets(stack, t).await;
+            }
+            n >= BACKLOG
+        },
+    )
+    .await;
+    let addr = format!("127.0.0.1:{}", support::free_port());
+    let consumer = materialize::materializer(&config, &["--http-addr", &addr], &[]);
+    support::wait_for(
+        "the materializer to apply the first rows",
+        Duration::from_secs(300),
+        async || {
+            target
+                .query_one(
+                    "SELECT to_regclass('mirror.events') IS NOT NULL
+                        AND EXISTS (SELECT 1 FROM mirror.events)",
+                    &[],
+                )
+                .await
+                .map(|r| r.get::<_, bool>(0))
+                .unwrap_or(false)
+        },
+    )
+    .await;
+
+    // The live phase: per tick, one row of each other tenant and twenty
+    // of the noisy one, each tick one transaction.
+    let url = source_db.url.clone();
+    let mut writer = tokio::spawn(async move {
+        let client = support::connect(&url).await;
+        let mut committed = std::collections::HashMap::new();
+        let mut next = BACKLOG + 1;
+        let mut ticker = tokio::time::interval(TICK);
+        for _ in 0..TICKS {
+            ticker.tick().await;
+            let mut sql = String::from("BEGIN;");
+            let mut ours = Vec::new();
+            for t in 1..=9 {
+                sql.push_str(&format!(
+                    "INSERT INTO public.events VALUES ({next}, 't{t}', 1, 'other');"
+                ));
+                ours.push(next);
+                next += 1;
+            }
+            sql.push_str(&format!(
+                "INSERT INTO public.events SELECT g, '{NOISY}', 1, repeat('x', 100) FROM generate_series({next}, {}) g;",
+                next + 179
+            ));
+            next += 180;
+            sql.push_str(&format!(
+                "UPDATE public.events SET n = n + 1 WHERE id = {DEDICATED_KEY};COMMIT;"
+            ));
+            client.batch_execute(&sql).await.expect("live");
+            let at = std::time::Instant::now();
+            for id in ours {
+                committed.insert(id, at);
+            }
+        }
+        committed
+    });
+    // Polls the mirror for the others' rows as they appear.
+    let mut visible: std::collections::HashMap<i64, std::time::Instant> = Default::default();
+    let mut paused_seen = false;
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    let mut written = None;
+    let committed = loop {
+        let rows = target
+            .query(
+                "SELECT id FROM mirror.events WHERE tenant <> $1 AND id > $2",
+                &[&NOISY, &BACKLOG],
+            )
+            .await
+            .expect("poll");
+        let now = std::time::Instant::now();
+        for r in rows {
+            visible.entry(r.get::<_, i64>(0)).or_insert(now);
+        }
+        if !paused_seen && run.dedicated {
+            paused_seen =
+                materialize::counter(&addr, "pgcdc_materialize_paused_partitions").await > 0.0;
+        }
+        if written.is_none() && writer.is_finished() {
+            written = Some((&mut writer).await.expect("writer"));
+        }
+        if written.is_some() && visible.len() as i64 >= 9 * TICKS {
+            break written.take().expect("written");
+        }
+        assert!(
+            now < deadline,
+            "only {} of the others' rows visible",
+            visible.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let mut others: Vec<Duration> = committed
+        .iter()
+        .map(|(id, at)| visible[id].saturating_duration_since(*at))
+        .collect();
+    others.sort();
+
+    // Nothing lost: the mirror converges to the source, the flood too.
+    support::wait_for(
+        "the mirror to hold every row",
+        Duration::from_secs(600),
+        async || {
+            let count = "SELECT count(*), coalesce(sum(n), 0)::bigint FROM ";
+            let s = source
+                .query_one(&format!("{count} public.events"), &[])
+                .await
+                .expect("source");
+            let t = target
+                .query_one(&format!("{count} mirror.events"), &[])
+                .await
+                .expect("target");
+            (s.get::<_, i64>(0), s.get::<_, i64>(1)) == (t.get::<_, i64>(0), t.get::<_, i64>(1))
+        },
+    )
+    .await;
+    if run.dedicated {
+        // Every event of the noisy tenant and of the declared key (its
+        // snapshot row included), and only those, went to the dedicated
+        // topic; the others' stayed in the table's own.
+        let mut decoder = Decoder::new(stack);
+        let mut declared = 0;
+        for (i, topic) in topics.iter().enumerate() {
+            let n = materialize::end_offsets(stack, topic).await as usize;
+            let records = support::read_topic(stack, topic, n, Duration::from_secs(120)).await;
+            assert!(!records.is_empty(), "{topic} is empty");
+            for r in records.iter().filter(|r| r.value.is_some()) {
+                let tenant = r.header(pgcdc::partitioning::TENANT_HEADER);
+                assert!(tenant.is_some(), "an event without its tenant in {topic}");
+                let (id, _) = id_and_position(&mut decoder, r).await;
+                declared += usize::from(id == DEDICATED_KEY);
+                assert_eq!(
+                    tenant == Some(NOISY) || id == DEDICATED_KEY,
+                    i == 1,
+                    "row {id} of {tenant:?} in {topic}"
+                );
+            }
+        }
+        assert_eq!(declared as i64, 1 + TICKS, "the declared key's events");
+    }
+    // Lag is exported per tenant, quotas or not.
+    let lagging: BTreeSet<String> = materialize::samples(&addr, "pgcdc_tenant_lag_seconds")
+        .await
+        .into_iter()
+        .map(|(labels, _)| labels)
+        .collect();
+    let expected: BTreeSet<String> = (0..=9).map(|t| format!("{{tenant=\"t{t}\"}}")).collect();
+    assert_eq!(lagging, expected);
+    let waited = materialize::counter(&addr, "pgcdc_tenant_deferred_total").await;
+    assert_eq!(waited > 0.0, run.quota, "records that waited: {waited}");
+    assert_eq!(materialize::terminate(consumer).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+    FairRun {
+        others,
+        paused_seen,
+    }
+}
+
+#[tokio::test]
+async fn with_quotas_a_tenant_flooding_at_20x_does_not_hold_back_nine_others() {
+    let stack = support::stack();
+    let without = fairness_run(
+        &stack,
+        &Fairness {
+            label: "none",
+            quota: false,
+            dedicated: false,
+        },
+    )
+    .await;
+    let with = fairness_run(
+        &stack,
+        &Fairness {
+            label: "quota",
+            quota: true,
+            dedicated: false,
+        },
+    )
+    .await;
+    let routed = fairness_run(
+        &stack,
+        &Fairness {
+            label: "routed",
+            quota: true,
+            dedicated: true,
+        },
+    )
+    .await;
+    let (none, quota, dedicated) = (p99(&without.others), p99(&with.others), p99(&routed.others));
+    for (name, run) in [
+        ("no quota", &without),
+        ("quota", &with),
+        ("quota, noisy tenant on a dedicated topic", &routed),
+    ] {
+        let o = &run.others;
+        eprintln!(
+            "others' time to visible, {name}: p50 {:?}, p99 {:?}, max {:?} ({} rows)",
+            o[o.len() / 2],
+            p99(o),
+            o[o.len() - 1],
+            o.len()
+        );
+    }
+    assert!(
+        quota < FAIR_P99,
+        "with quotas the others' p99 was {quota:?}"
+    );
+    assert!(
+        dedicated < FAIR_P99,
+        "routed, the others' p99 was {dedicated:?}"
+    );
+    assert!(
+        routed.paused_seen,
+        "the dedicated topic's partitions never paused"
+    );
+    // Without quotas the others wait behind the flood's backlog.
+    assert!(
+        none > FAIR_P99 && none > quota * 3,
+        "without quotas the others' p99 was {none:?} (with them {quota:?})"
+    );
+}
+
+#[tokio::test]
+async fn a_tenant_column_a_delete_would_not_carry_stops_the_connector_before_it_produces() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "tenant_identity").await;
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE TABLE public.events (id bigint PRIMARY KEY, tenant text NOT NULL);
+             INSERT INTO public.events VALUES (1, 'a');",
+        )
+        .await
+        .expect("schema");
+    let toml = format!(
+        "{}\n[partitioning.\"public.events\"]\ntenant_column = \"tenant\"\n",
+        support::pipeline_toml(&stack, &db.url, &db.name, &["public.events"])
+    );
+    let file = ConfigFile::write(&toml);
+    let run = tokio::time::timeout(
+        Duration::from_secs(120),
+        support::pgcdc(&["run", "--config", file.arg()]),
+    )
+    .await
+    .expect("pgcdc run kept going");
+    assert_ne!(run.code, 0, "{}", run.all_output());
+    assert!(
+        run.stderr.contains(
+            "partitioning.\"public.events\".tenant_column: tenant is not in the primary key"
+        ) && run.stderr.contains("REPLICA IDENTITY FULL"),
+        "{}",
+        run.all_output()
+    );
+    // Nothing was produced: the check comes before the snapshot.
+    let topic = format!("{}.public.events", db.name);
+    assert_eq!(materialize::end_offsets(&stack, &topic).await, 0);
+    let missing =
+        ConfigFile::write(&toml.replace("tenant_column = \"tenant\"", "tenant_column = \"nope\""));
+    let run = support::pgcdc(&["run", "--config", missing.arg()]).await;
+    assert!(
+        run.stderr.contains(
+            "partitioning.\"public.events\".tenant_column: public.events has no column nope"
+        ),
+        "{}",
+        run.all_output()
+    );
+    db.drop_db().await;
+}

@@ -20,7 +20,7 @@
 //!   as a TOML value when it parses as one (`3`, `true`, `["a"]`), else as a
 //!   string.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::path::Path;
 
@@ -163,26 +163,56 @@ fn default_hot_report_per_sec() -> f64 {
     100.0
 }
 
-/// Salting of one table's hot keys: a salted key's events spread over up
-/// to `salt_shards` partitions (its own and the next ones), so that one
-/// key cannot saturate a partition. The cost: its changes are no longer
-/// in one partition, so a consumer sees them in no particular order (the
-/// materializer's position guard still applies each key's newest change
-/// last); a salted delete sends its tombstone to every shard's partition.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// Partitioning remedies for one table. Salting: a salted key's events
+/// spread over up to `salt_shards` partitions (its own and the next ones),
+/// so that one key cannot saturate a partition. The cost: its changes are
+/// no longer in one partition, so a consumer sees them in no particular
+/// order (the materializer's position guard still applies each key's
+/// newest change last); a salted delete sends its tombstone to every
+/// shard's partition. Routing: declared keys and tenants go to a dedicated
+/// topic of their own, which the materializer reads as the same table.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PartitioningConfig {
     /// Partitions a salted key's events spread over (2 to 64, at most the
-    /// topic's partition count in effect).
-    pub salt_shards: u32,
+    /// topic's partition count in effect); unset: no salting.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub salt_shards: Option<u32>,
     /// Salt every key whose rate reaches this many changes per second (as
     /// the hot-key sketch measures it).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub salt_above_per_sec: Option<f64>,
     /// Keys salted from their first change: a key in text form, or for a
     /// key of several columns a JSON array of their texts (`'["7","eu"]'`).
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub salt_keys: Vec<String>,
+    /// The column naming a row's tenant. Its text goes with every event in
+    /// the `pgcdc.tenant` header, which the materializer's
+    /// `target.tenant_quota` schedules by. It must be in the primary key,
+    /// or the table must be `REPLICA IDENTITY FULL`, so that a delete
+    /// carries it too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_column: Option<String>,
+    /// Keys whose events go to the dedicated topic (written as in
+    /// `salt_keys`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dedicated_keys: Vec<String>,
+    /// Tenants (values of `tenant_column`) whose events go to the
+    /// dedicated topic.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dedicated_tenants: Vec<String>,
+    /// The dedicated topic; defaults to the table's topic plus
+    /// `.dedicated`. It has the table's subjects, and the materializer
+    /// reads it as the same table.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dedicated_topic: Option<String>,
+}
+
+impl PartitioningConfig {
+    /// Whether some keys or tenants go to a dedicated topic.
+    pub fn routes(&self) -> bool {
+        !self.dedicated_keys.is_empty() || !self.dedicated_tenants.is_empty()
+    }
 }
 
 /// Routing of an event store or outbox table (Debezium's outbox event
@@ -702,6 +732,36 @@ pub struct TargetConfig {
     /// The fast dedup tier in front of the durable positions.
     #[serde(default)]
     pub dedup: DedupConfig,
+    /// Fairness between tenants (the `pgcdc.tenant` header that
+    /// `partitioning.<table>.tenant_column` sets); unset: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant_quota: Option<TenantQuotaConfig>,
+}
+
+/// A token bucket per tenant in the materializer's batch formation. A
+/// tenant's records beyond its bucket wait in memory, so that the records
+/// behind them (other tenants') go first; room left in a batch goes to the
+/// waiting ones anyway, so a quota never idles the materializer. Offsets
+/// are committed only up to a partition's first waiting record.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantQuotaConfig {
+    /// Records per second each tenant may put in batches ahead of others.
+    pub rate_per_sec: f64,
+    /// Records a tenant may take at once; defaults to one second's worth.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<f64>,
+    /// Records waiting at most, in all; at this many, the partitions that
+    /// hold waiting records are paused until half have been applied.
+    #[serde(default = "default_max_deferred")]
+    pub max_deferred: usize,
+    /// Rates of particular tenants, instead of `rate_per_sec`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tenants: BTreeMap<String, f64>,
+}
+
+fn default_max_deferred() -> usize {
+    100_000
 }
 
 /// The fast dedup tier: an in-process LRU, or Redis shared by every
@@ -1167,11 +1227,34 @@ impl Config {
                     format!("'{table}' is an outbox table; its events are keyed by stream"),
                 );
             }
-            v.check(
-                (2..=64).contains(&p.salt_shards),
-                &format!("{base}.salt_shards"),
-                "must be 2 to 64",
-            );
+            match p.salt_shards {
+                Some(k) => {
+                    v.check(
+                        (2..=64).contains(&k),
+                        &format!("{base}.salt_shards"),
+                        "must be 2 to 64",
+                    );
+                    if p.salt_above_per_sec.is_none() && p.salt_keys.is_empty() {
+                        v.push(
+                            &base,
+                            "salts nothing: set salt_above_per_sec, salt_keys or both".into(),
+                        );
+                    }
+                }
+                None => {
+                    if p.salt_above_per_sec.is_some() || !p.salt_keys.is_empty() {
+                        v.push(
+                            &format!("{base}.salt_shards"),
+                            "is required with salt_above_per_sec or salt_keys".into(),
+                        );
+                    } else if p.tenant_column.is_none() && !p.routes() {
+                        v.push(
+                            &base,
+                            "does nothing: set salt_shards, tenant_column or dedicated_keys/dedicated_tenants".into(),
+                        );
+                    }
+                }
+            }
             if let Some(rate) = p.salt_above_per_sec {
                 v.check(
                     rate.is_finite() && rate > 0.0,
@@ -1184,17 +1267,86 @@ impl Config {
                     "needs hot-key detection, which hot_keys.capacity = 0 turns off",
                 );
             }
-            if p.salt_above_per_sec.is_none() && p.salt_keys.is_empty() {
-                v.push(
-                    &base,
-                    "salts nothing: set salt_above_per_sec, salt_keys or both".into(),
+            for (field, list) in [
+                ("salt_keys", &p.salt_keys),
+                ("dedicated_keys", &p.dedicated_keys),
+                ("dedicated_tenants", &p.dedicated_tenants),
+            ] {
+                for (i, k) in list.iter().enumerate() {
+                    v.check(
+                        !k.is_empty(),
+                        &format!("{base}.{field}[{i}]"),
+                        "must not be empty",
+                    );
+                }
+            }
+            if let Some(c) = &p.tenant_column {
+                v.check(
+                    !c.is_empty(),
+                    &format!("{base}.tenant_column"),
+                    "must not be empty",
                 );
             }
-            for (i, k) in p.salt_keys.iter().enumerate() {
+            if !p.dedicated_tenants.is_empty() && p.tenant_column.is_none() {
+                v.push(
+                    &format!("{base}.dedicated_tenants"),
+                    "needs tenant_column (the column that names a row's tenant)".into(),
+                );
+            }
+            if let Some(t) = &p.dedicated_topic {
+                if !p.routes() {
+                    v.push(
+                        &format!("{base}.dedicated_topic"),
+                        "routes nothing: set dedicated_keys or dedicated_tenants".into(),
+                    );
+                }
                 v.check(
-                    !k.is_empty(),
-                    &format!("{base}.salt_keys[{i}]"),
-                    "must not be empty",
+                    is_topic_name(t),
+                    &format!("{base}.dedicated_topic"),
+                    "must be 1-249 characters of a-z, A-Z, 0-9, '.', '_' or '-'",
+                );
+            }
+            if let Some(topic) = self.dedicated_topic(table) {
+                let taken = self
+                    .source
+                    .tables
+                    .iter()
+                    .any(|t| self.topic_for(t) == topic)
+                    || self.partitioning.iter().any(|(other, _)| {
+                        other != table
+                            && self.dedicated_topic(other).as_deref() == Some(topic.as_str())
+                    });
+                v.check(
+                    !taken,
+                    &format!("{base}.dedicated_topic"),
+                    "is another table's topic: each table needs a dedicated topic of its own",
+                );
+            }
+        }
+        if let Some(q) = self.target.as_ref().and_then(|t| t.tenant_quota.as_ref()) {
+            let base = "target.tenant_quota";
+            v.check(
+                q.rate_per_sec.is_finite() && q.rate_per_sec > 0.0,
+                &format!("{base}.rate_per_sec"),
+                "must be a number greater than 0",
+            );
+            if let Some(b) = q.burst {
+                v.check(
+                    b.is_finite() && b >= 1.0,
+                    &format!("{base}.burst"),
+                    "must be at least 1",
+                );
+            }
+            v.check(
+                q.max_deferred >= 1,
+                &format!("{base}.max_deferred"),
+                "must be at least 1",
+            );
+            for (tenant, rate) in &q.tenants {
+                v.check(
+                    rate.is_finite() && *rate > 0.0,
+                    &format!("{base}.tenants.\"{tenant}\""),
+                    "must be a number greater than 0",
                 );
             }
         }
@@ -1378,6 +1530,32 @@ impl Config {
             .tables
             .iter()
             .filter(|t| !self.outbox.contains_key(*t))
+    }
+
+    /// The dedicated topic of a table that routes keys or tenants to one
+    /// (`partitioning.<table>.dedicated_topic`).
+    pub fn dedicated_topic(&self, table: &str) -> Option<String> {
+        let p = self.partitioning.get(table).filter(|p| p.routes())?;
+        Some(
+            p.dedicated_topic
+                .clone()
+                .unwrap_or_else(|| format!("{}.dedicated", self.topic_for(table))),
+        )
+    }
+
+    /// Every topic a captured table's changelog events go to: its own, and
+    /// its dedicated topic if it has one.
+    pub fn topics_of(&self, table: &str) -> Vec<String> {
+        std::iter::once(self.topic_for(table))
+            .chain(self.dedicated_topic(table))
+            .collect()
+    }
+
+    /// Dedicated topic → the table's own topic, for every table with one.
+    pub fn homes(&self) -> HashMap<String, String> {
+        self.changelog_tables()
+            .filter_map(|t| Some((self.dedicated_topic(t)?, self.topic_for(t))))
+            .collect()
     }
 
     /// The changelog topic of a captured table: `<prefix>.<schema>.<table>`
@@ -1756,6 +1934,94 @@ url = "http://127.0.0.1:8081"
                 .is_some_and(|p| p.contains(&"read_models.m.sources[0].table".to_string())),
             "an outbox table has no changelog to mirror"
         );
+    }
+
+    #[test]
+    fn partitioning_and_tenant_quotas_are_validated_by_field_path() {
+        let with = |extra: &str| format!("{MINIMAL}\n{extra}\n");
+        let ok = with(
+            "[partitioning.\"public.orders\"]\nsalt_shards = 4\nsalt_keys = [\"7\"]\ntenant_column = \"tenant\"\ndedicated_tenants = [\"acme\"]",
+        );
+        let c = load(&ok, &[]).expect("valid partitioning");
+        assert_eq!(
+            c.dedicated_topic("public.orders").as_deref(),
+            Some("shop.public.orders.dedicated")
+        );
+        assert_eq!(
+            c.topics_of("public.orders"),
+            ["shop.public.orders", "shop.public.orders.dedicated"]
+        );
+        assert_eq!(
+            c.homes()
+                .get("shop.public.orders.dedicated")
+                .map(String::as_str),
+            Some("shop.public.orders")
+        );
+        let refused = |extra: &str| load(&with(extra), &[]).err().map(paths);
+        let base = "partitioning.\"public.orders\"";
+        for (extra, path) in [
+            (
+                "salt_shards = 1\nsalt_keys = [\"7\"]",
+                format!("{base}.salt_shards"),
+            ),
+            ("salt_shards = 4", base.to_string()),
+            ("salt_keys = [\"7\"]", format!("{base}.salt_shards")),
+            (
+                "salt_shards = 4\nsalt_keys = [\"\"]",
+                format!("{base}.salt_keys[0]"),
+            ),
+            (
+                "dedicated_tenants = [\"acme\"]",
+                format!("{base}.dedicated_tenants"),
+            ),
+            (
+                "dedicated_keys = [\"7\"]\ndedicated_topic = \"a b\"",
+                format!("{base}.dedicated_topic"),
+            ),
+            (
+                "dedicated_keys = [\"7\"]\ndedicated_topic = \"shop.public.orders\"",
+                format!("{base}.dedicated_topic"),
+            ),
+            ("tenant_column = \"\"", format!("{base}.tenant_column")),
+            (
+                "salt_above_per_sec = 5.0\nsalt_shards = 4\n[hot_keys]\ncapacity = 0",
+                format!("{base}.salt_above_per_sec"),
+            ),
+            ("", base.to_string()),
+        ] {
+            assert_eq!(
+                refused(&format!("[partitioning.\"public.orders\"]\n{extra}")),
+                Some(vec![path.clone()]),
+                "{extra}"
+            );
+        }
+        assert_eq!(
+            refused("[partitioning.\"public.other\"]\nsalt_shards = 4\nsalt_keys = [\"1\"]"),
+            Some(vec!["partitioning.\"public.other\"".to_string()])
+        );
+        let target = "[target]\nurl = \"postgres://t@127.0.0.1/t\"\n[target.tenant_quota]";
+        assert!(refused(&format!("{target}\nrate_per_sec = 50.0\nburst = 100.0\n[target.tenant_quota.tenants]\nacme = 5.0")).is_none());
+        for (extra, path) in [
+            ("rate_per_sec = 0.0", "target.tenant_quota.rate_per_sec"),
+            (
+                "rate_per_sec = 5.0\nburst = 0.5",
+                "target.tenant_quota.burst",
+            ),
+            (
+                "rate_per_sec = 5.0\nmax_deferred = 0",
+                "target.tenant_quota.max_deferred",
+            ),
+            (
+                "rate_per_sec = 5.0\n[target.tenant_quota.tenants]\nacme = -1.0",
+                "target.tenant_quota.tenants.\"acme\"",
+            ),
+        ] {
+            assert_eq!(
+                refused(&format!("{target}\n{extra}")),
+                Some(vec![path.to_string()]),
+                "{extra}"
+            );
+        }
     }
 
     /// A table of malformed and contradictory configs: each is refused,

@@ -34,6 +34,8 @@ topic_prefix = "p"
 url = "http://localhost:8081"
 [target]
 url = "postgres://localhost/target"
+[target.tenant_quota]
+rate_per_sec = 100.0
 [read_models.NAME]
 table = "read_models.t"
 key = ["id"]

@@ -233,9 +233,18 @@ impl Output {
             .await?;
         codec.set_ids(key_id, value_id);
         tracing::info!(%topic, key_id, value_id, "table schema registered");
-        let partitions = self.partitions.get(&topic).copied().unwrap_or(0);
+        // Same schemas under the dedicated topic's subjects, so it decodes
+        // and evolves like the table's own.
+        if let Some(dedicated) = self.config.dedicated_topic(&table) {
+            self.registry
+                .register(&format!("{dedicated}-key"), &codec.key_schema)
+                .await?;
+            self.registry
+                .register(&format!("{dedicated}-value"), &codec.value_schema)
+                .await?;
+        }
         self.partitioning
-            .prepare(&codec, partitions)
+            .prepare(&codec, &self.partitions)
             .map_err(RunError::Config)?;
         Ok(codec)
     }
@@ -332,17 +341,27 @@ impl Output {
         }
         codec.meters.event(op, value.len());
         let placement = match (&key, key_image) {
-            (Some(k), Some(row)) if op != Op::Read => {
-                self.partitioning.place(codec, k, row, op, src.position)
-            }
+            (Some(k), Some(row)) => self.partitioning.place(codec, k, row, op, src.position),
             _ => Placement::default(),
         };
-        let headers = placement.shard.map(|s| {
-            rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
-                key: partitioning::SHARD_HEADER,
-                value: Some(s.to_string().as_bytes()),
-            })
-        });
+        let topic = placement.topic.as_deref().unwrap_or(topic);
+        let tenant = key_image.and_then(|row| self.partitioning.tenant(table, row));
+        let mut headers = None;
+        for (name, value) in [
+            (
+                partitioning::SHARD_HEADER,
+                placement.shard.map(|s| s.to_string().into_bytes()),
+            ),
+            (partitioning::TENANT_HEADER, tenant.map(<[u8]>::to_vec)),
+        ] {
+            if let Some(value) = value {
+                let h: rdkafka::message::OwnedHeaders = headers.unwrap_or_default();
+                headers = Some(h.insert(rdkafka::message::Header {
+                    key: name,
+                    value: Some(&value),
+                }));
+            }
+        }
         self.acks
             .send_to(
                 &self.producer,
@@ -940,22 +959,69 @@ struct Ready {
     resume_commit: u64,
 }
 
+/// Every `partitioning.<table>.tenant_column` exists, and a delete will
+/// carry it: it is a primary-key column or the table is `REPLICA
+/// IDENTITY FULL`. Checked before the snapshot, so a mistake stops the
+/// connector before it has produced anything.
+async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunError> {
+    for (table, p) in &config.partitioning {
+        let Some(column) = &p.tenant_column else {
+            continue;
+        };
+        let Some((schema, name)) = crate::config::split_table(table) else {
+            continue;
+        };
+        let regclass = format!(
+            "{}.{}",
+            slot::quote_ident(&schema),
+            slot::quote_ident(&name)
+        );
+        let row = sql
+            .query_opt(
+                "SELECT c.relreplident = 'f',
+                        EXISTS (SELECT 1 FROM pg_index i
+                                JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+                                WHERE i.indrelid = c.oid AND i.indisprimary AND a.attname = $2),
+                        EXISTS (SELECT 1 FROM pg_attribute a
+                                WHERE a.attrelid = c.oid AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped)
+                 FROM pg_class c WHERE c.oid = to_regclass($1)",
+                &[&regclass, column],
+            )
+            .await?;
+        let field = format!("partitioning.\"{table}\".tenant_column");
+        let Some(row) = row else {
+            return Err(RunError::Config(format!(
+                "{field}: table {table} does not exist"
+            )));
+        };
+        let (full, in_key, exists): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
+        if !exists {
+            return Err(RunError::Config(format!(
+                "{field}: {table} has no column {column}"
+            )));
+        }
+        if !full && !in_key {
+            return Err(RunError::Config(format!(
+                "{field}: {column} is not in the primary key of {table}, so its deletes would not carry the tenant; run ALTER TABLE {table} REPLICA IDENTITY FULL, or name a key column"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Start-up: publication, topics, the slot, the initial snapshot of a new
 /// slot, then the replication stream started from the slot's position.
 async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<Ready, RunError> {
     let sql = source::connect(&config.source.url).await?;
     slot::ensure_publication(&sql, &config).await?;
+    check_tenant_columns(&sql, &config).await?;
     let topics: Vec<String> = config
         .changelog_tables()
-        .map(|t| config.topic_for(t))
+        .flat_map(|t| config.topics_of(t))
         .collect();
     sink::ensure_topics(&config.kafka, &topics).await?;
-    let salting: Vec<String> = config
-        .changelog_tables()
-        .filter(|t| partitioning.salts(t))
-        .map(|t| config.topic_for(t))
-        .collect();
-    let partitions = sink::partition_counts(&config.kafka, &salting).await?;
+    let partitions =
+        sink::partition_counts(&config.kafka, &partitioning.counted_topics(&config)).await?;
     let db: String = sql
         .query_one("SELECT current_database()::text", &[])
         .await?
@@ -2084,6 +2150,16 @@ async fn on_message(
                 tracing::info!(table = %desc.qualified(), %lsn, "schema change");
             }
             let codec = output.codec(desc).await?;
+            // A delete must carry the tenant, or it could not be routed
+            // (nor scheduled) with the key's other events.
+            if let Some(column) = output.partitioning.tenant_outside_key(&codec) {
+                if rel.replica_identity != source::pgoutput::ReplicaIdentity::Full {
+                    return Err(RunError::Config(format!(
+                        "partitioning.\"{table}\".tenant_column: {column} is not in the primary key of {table}, so its deletes would not carry the tenant; run ALTER TABLE {table} REPLICA IDENTITY FULL, or name a key column",
+                        table = codec.table
+                    )));
+                }
+            }
             codecs.insert(rel.oid, codec);
         }
         return Ok(());

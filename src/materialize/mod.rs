@@ -47,6 +47,7 @@
 //! ```
 
 pub mod bloom;
+pub mod fairness;
 pub mod fast_tier;
 pub mod mirror;
 pub mod rebuild;
@@ -61,7 +62,7 @@ use std::time::{Duration, Instant};
 
 use apache_avro::types::Value;
 use apache_avro::Schema;
-use futures_util::{pin_mut, TryStreamExt};
+use futures_util::{pin_mut, FutureExt, TryStreamExt};
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::Value as Json;
@@ -220,6 +221,14 @@ struct State {
     plans: HashMap<(u32, String, usize), Arc<Plan>>,
     /// Mirror → changes written since its last ANALYZE, and in all.
     growth: HashMap<String, Growth>,
+    /// Dedicated topic → its table's own topic, which keys `mirrors`.
+    homes: HashMap<String, String>,
+}
+
+/// The topic that keys a record's mirror: its table's own topic for a
+/// record read from a dedicated topic, else its own.
+fn home<'a>(homes: &'a HashMap<String, String>, topic: &'a str) -> &'a str {
+    homes.get(topic).map_or(topic, String::as_str)
 }
 
 /// Writes to a mirror, for [`refresh_statistics`].
@@ -425,6 +434,7 @@ impl State {
             held: None,
             plans: HashMap::new(),
             growth: HashMap::new(),
+            homes: HashMap::new(),
         }
     }
 
@@ -472,7 +482,7 @@ impl State {
         topic: &str,
         w: &Writer,
     ) -> Result<(), MaterializeError> {
-        let Some(m) = self.mirrors.get_mut(topic) else {
+        let Some(m) = self.mirrors.get_mut(home(&self.homes, topic)) else {
             return Ok(());
         };
         let added: Vec<Column> = w.row["fields"]
@@ -555,7 +565,7 @@ impl State {
         let committed_ms = source_long("ts_ms");
         let mirror = self
             .mirrors
-            .get(topic)
+            .get(home(&self.homes, topic))
             .ok_or_else(|| bad(format!("no mirror for topic {topic}")))?;
         let plan = match self
             .plans
@@ -879,7 +889,9 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
 
     let group = group_id(&config, &target);
     let consumer: StreamConsumer = consumer_config(&config.kafka, &group).create()?;
-    let topics: Vec<String> = mirrors.keys().cloned().collect();
+    let homes = config.homes();
+    // Dedicated topics are read as their tables' own.
+    let topics: Vec<String> = mirrors.keys().chain(homes.keys()).cloned().collect();
     let topic_refs: Vec<&str> = topics.iter().map(String::as_str).collect();
     consumer.subscribe(&topic_refs)?;
     tracing::info!(%group, topics = topics.len(), views = views.len(), "materializing");
@@ -895,8 +907,10 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     }
     let mut state = State {
         held: (config.dlq.check_interval_secs > 0).then(SharedHeld::default),
+        homes,
         ..State::new(registry, mirrors, views, fast)
     };
+    let mut fair = fairness::Fairness::new(target.tenant_quota.clone());
     let committed = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
     let lag = tokio::spawn(report_lag(config.clone(), committed.clone()));
     let reach = (config.retention.check_interval_secs > 0 && !config.read_models.is_empty())
@@ -911,24 +925,44 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     let mut last_sweep = Instant::now();
     observe::board::set_phase(observe::board::Phase::Consuming);
     'batches: loop {
-        // A batch: wait for one message, then take what else is ready.
-        let first = tokio::select! {
-            _ = shutdown.requested() => break,
-            m = consumer.recv() => match m {
-                Ok(m) => m.detach(),
-                Err(e) => {
-                    consumer_error(e)?;
-                    // Errors can come in bursts while the broker is away.
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue 'batches;
-                }
-            },
-        };
-        let mut batch = vec![first];
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(20);
-        while batch.len() < target.batch_size {
+        // A batch: waiting records their tenants' tokens cover, then one
+        // message (waited for unless records wait), then what else is
+        // ready; room left goes to the waiting (see [`fairness`]).
+        let formed = Instant::now();
+        // With records waiting the loop never blocks, so look for a stop
+        // request here.
+        if fair.waiting() > 0 && shutdown.requested().now_or_never().is_some() {
+            break;
+        }
+        let mut batch = fair.release(target.batch_size, false, formed);
+        if batch.is_empty() && fair.waiting() == 0 {
+            tokio::select! {
+                _ = shutdown.requested() => break,
+                m = consumer.recv() => match m {
+                    Ok(m) => batch.extend(fair.admit(m.detach(), formed)),
+                    Err(e) => {
+                        consumer_error(e)?;
+                        // Errors can come in bursts while the broker is away.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue 'batches;
+                    }
+                },
+            }
+        }
+        let mut deadline = tokio::time::Instant::now() + Duration::from_millis(20);
+        // Reading past waiting records may take longer than 20 ms: on while
+        // records keep coming, up to a limit (the batch's own wait).
+        let limit = deadline + Duration::from_millis(230);
+        while batch.len() < target.batch_size && !fair.full() {
             match tokio::time::timeout_at(deadline, consumer.recv()).await {
-                Ok(Ok(m)) => batch.push(m.detach()),
+                Ok(Ok(m)) => match fair.admit(m.detach(), formed) {
+                    Some(m) => batch.push(m),
+                    None => {
+                        deadline = deadline
+                            .max(tokio::time::Instant::now() + Duration::from_millis(2))
+                            .min(limit)
+                    }
+                },
                 Ok(Err(e)) => {
                     // Apply what came before the error.
                     consumer_error(e)?;
@@ -936,6 +970,42 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
                 }
                 Err(_) => break,
             }
+        }
+        let (pause, resume) = fair.flow();
+        for (partitions, pausing) in [(pause, true), (resume, false)] {
+            if partitions.is_empty() {
+                continue;
+            }
+            let mut tpl = TopicPartitionList::new();
+            for (topic, partition) in &partitions {
+                tpl.add_partition(topic, *partition);
+            }
+            let done = match pausing {
+                true => consumer.pause(&tpl),
+                false => consumer.resume(&tpl),
+            };
+            match done {
+                Ok(()) => tracing::info!(
+                    partitions = partitions.len(),
+                    waiting = fair.waiting(),
+                    pausing,
+                    "tenant quota buffer: {}",
+                    if pausing {
+                        "full, pausing the partitions that hold waiting records"
+                    } else {
+                        "drained to half, resuming"
+                    }
+                ),
+                Err(e) => tracing::warn!(error = %e, pausing, "cannot pause or resume partitions"),
+            }
+        }
+        // After the flow decision, which must see a full buffer as full.
+        if batch.len() < target.batch_size {
+            let room = target.batch_size - batch.len();
+            batch.extend(fair.release(room, true, formed));
+        }
+        if batch.is_empty() {
+            continue;
         }
         let started = Instant::now();
         let mut attempt = 0u32;
@@ -1006,14 +1076,10 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         }
         metrics::histogram!(observe::MATERIALIZE_BATCH_SECONDS)
             .record(started.elapsed().as_secs_f64());
-        // Only now, with the transaction committed, do the offsets move.
-        let mut next: BTreeMap<(String, i32), i64> = BTreeMap::new();
-        for m in &batch {
-            let e = next
-                .entry((m.topic().to_string(), m.partition()))
-                .or_default();
-            *e = (*e).max(m.offset() + 1);
-        }
+        // Only now, with the transaction committed, do the offsets move,
+        // and never past a record that waits.
+        let next = fair.commit_points(&batch);
+        fair.report(&batch, crate::connector::now_ms());
         let mut tpl = TopicPartitionList::new();
         for ((topic, partition), offset) in &next {
             tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
@@ -1024,6 +1090,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         }
         dead_letters.batch_done();
         if let (Ok(mut c), Ok(owned)) = (committed.lock(), consumer.assignment()) {
+            fair.keep_only(|topic, partition| owned.find_partition(topic, partition).is_some());
             c.extend(next);
             // Partitions a rebalance gave away are the new owner's to report.
             c.retain(|(topic, partition), _| {
@@ -1459,7 +1526,7 @@ async fn apply_batch(
     remember(state, dead.iter().map(|(i, f)| (&batch[*i], f.class)));
     state.fast.committed(&done.committed).await?;
     for (i, _) in changes.iter().filter(|(_, c)| c.op != "t") {
-        if let Some(m) = state.mirrors.get(batch[*i].topic()) {
+        if let Some(m) = state.mirrors.get(home(&state.homes, batch[*i].topic())) {
             match state.growth.get_mut(&m.qualified) {
                 Some(g) => g.since += 1,
                 None => {
@@ -1662,14 +1729,14 @@ async fn apply_in(
     }
     let state_holds = state.held.is_some();
     let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
+    let homes = &state.homes;
     let mut done = Done::default();
     let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
     // Keys refused in this batch: a later change of one that leaves a
     // column unchanged waits behind it (see [`Held`]).
     let mut refused: HashMap<HeldKey, &'static str> = HashMap::new();
     for (i, change) in changes {
-        let topic = batch[*i].topic();
-        let Some(m) = mirrors.get(topic) else {
+        let Some(m) = mirrors.get(home(homes, batch[*i].topic())) else {
             continue;
         };
         if let Some(class) = held_in(&refused, &batch[*i], change).filter(|_| state_holds) {
@@ -1820,11 +1887,12 @@ async fn apply_sets(
     affected: &mut [BTreeSet<String>],
 ) -> Result<Done, tokio_postgres::Error> {
     let (views, mirrors, statements) = (&state.views, &state.mirrors, &mut state.statements);
+    let homes = &state.homes;
     let mut done = Done::default();
     let mut window: Vec<(&Mirror, &Change)> = Vec::new();
     let mut in_window: HashSet<&str> = HashSet::new();
     for (i, change) in changes {
-        let Some(m) = mirrors.get(batch[*i].topic()) else {
+        let Some(m) = mirrors.get(home(homes, batch[*i].topic())) else {
             continue;
         };
         if change.op == "t" {

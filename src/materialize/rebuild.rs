@@ -234,6 +234,15 @@ pub async fn run(
             tables.push(s.table.clone());
         }
     }
+    // Not read by a rebuild yet: refused rather than rebuilt without it.
+    if let Some((t, d)) = tables
+        .iter()
+        .find_map(|t| Some((t, config.dedicated_topic(t)?)))
+    {
+        return Err(RebuildError::Refused(format!(
+            "{t} routes keys or tenants to the dedicated topic {d} (partitioning.\"{t}\"), which a rebuild does not read yet"
+        )));
+    }
     let topics: Vec<String> = tables.iter().map(|t| config.topic_for(t)).collect();
 
     let (from, snapshot, history_note, floors) = match start {

@@ -103,7 +103,10 @@ impl Replayer {
             .map(|(table, m)| (config.topic_for(table), m.clone()))
             .collect();
         Ok(Replayer {
-            state: State::new(registry, mirrors, views, fast),
+            state: State {
+                homes: config.homes(),
+                ..State::new(registry, mirrors, views, fast)
+            },
             db,
             producer,
             dlq,
@@ -156,7 +159,11 @@ impl Replayer {
                 "not Confluent-framed Avro: there is no writer schema to resolve".into(),
             ));
         };
-        if !self.state.mirrors.contains_key(&m.origin_topic) {
+        if !self
+            .state
+            .mirrors
+            .contains_key(super::home(&self.state.homes, &m.origin_topic))
+        {
             return Ok(Incompatible(format!(
                 "{} is not the topic of a captured table: nothing reads it",
                 m.origin_topic
@@ -236,7 +243,11 @@ impl Replayer {
             }
             Err(_) => return Ok(None),
         };
-        let Some(mirror) = self.state.mirrors.get(&m.origin_topic) else {
+        let Some(mirror) = self
+            .state
+            .mirrors
+            .get(super::home(&self.state.homes, &m.origin_topic))
+        else {
             return Ok(None);
         };
         let tx = self.db.transaction().await?;

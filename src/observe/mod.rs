@@ -115,6 +115,15 @@ pub const HOT_KEY_SHARE: &str = "pgcdc_hot_key_share";
 pub const HOT_KEY_SALTED: &str = "pgcdc_hot_key_salted";
 /// Events sent to a salted key's shard, by table.
 pub const SALTED_EVENTS: &str = "pgcdc_salted_events_total";
+/// Seconds a tenant's changes are behind: the age of its newest applied
+/// record, or of its oldest waiting one if older, by tenant.
+pub const TENANT_LAG: &str = "pgcdc_tenant_lag_seconds";
+/// Records waiting behind their tenant's quota, by tenant.
+pub const TENANT_WAITING: &str = "pgcdc_tenant_waiting_records";
+/// Records that waited behind their tenant's quota, by tenant.
+pub const TENANT_DEFERRED: &str = "pgcdc_tenant_deferred_total";
+/// Partitions paused because the tenant quota's buffer is full.
+pub const MATERIALIZE_PAUSED: &str = "pgcdc_materialize_paused_partitions";
 
 /// A table's event counters ([`EVENTS`] by op, [`EVENT_BYTES`]), each
 /// registered at its first use and then kept: a labelled look-up per event
@@ -348,6 +357,22 @@ fn describe() {
     metrics::describe_counter!(
         SALTED_EVENTS,
         "Events spread over a salted key's shards, by table"
+    );
+    metrics::describe_gauge!(
+        TENANT_LAG,
+        "Seconds a tenant's changes are behind (newest applied, or oldest waiting), by tenant"
+    );
+    metrics::describe_gauge!(
+        TENANT_WAITING,
+        "Records waiting behind their tenant's quota, by tenant"
+    );
+    metrics::describe_counter!(
+        TENANT_DEFERRED,
+        "Records that waited behind their tenant's quota, by tenant"
+    );
+    metrics::describe_gauge!(
+        MATERIALIZE_PAUSED,
+        "Partitions paused while the tenant quota's buffer is full"
     );
     metrics::describe_counter!(
         CONNECTOR_QUARANTINED,

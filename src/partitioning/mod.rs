@@ -1,4 +1,5 @@
-//! Where each changelog event goes: hot-key detection and salting.
+//! Where each changelog event goes: hot-key detection, salting, routing
+//! to a dedicated topic, and the tenant header.
 //!
 //! Guarantees:
 //! - **Per-key order unless salted.** An event goes to the partition
@@ -16,11 +17,22 @@
 //!   tombstone goes to each of the key's shard partitions, so compaction
 //!   cannot keep an older salted value of a deleted key in some other
 //!   partition.
+//! - **Routing is a function of the key or the tenant.** A declared key
+//!   (`dedicated_keys`) or tenant (`dedicated_tenants`) always goes to the
+//!   table's dedicated topic, snapshot rows and deletes included (a delete
+//!   carries the tenant: the tenant column is in the key or the table is
+//!   `REPLICA IDENTITY FULL`, which the connector checks), so a key's
+//!   events stay in one topic and keep their order. Changing the lists
+//!   moves keys between topics; the position guard orders what arrives
+//!   from both.
+//! - **The tenant travels as a header** (`pgcdc.tenant`), so the
+//!   materializer schedules by tenant without decoding.
 //! - **Detection is bounded and never overstates** (see [`sketch`]):
 //!   reported rates are lower bounds. It counts streamed inserts, updates
 //!   and deletes, not snapshot rows.
 //!
 //! ```text
+//!  event key, tenant ──► dedicated key or tenant? ──► topic (own or dedicated)
 //!  event key ──► sketch (rate) ──► declared, or rate ≥ salt_above_per_sec?
 //!                                      │ no                │ yes
 //!                             own partition      (own + shard(position)) mod n
@@ -30,7 +42,7 @@ pub mod sketch;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicI32, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::config::{Config, HotKeysConfig, PartitioningConfig};
@@ -45,6 +57,8 @@ pub const SHARD_HEADER: &str = "pgcdc.shard";
 /// Where one event goes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Placement {
+    /// The dedicated topic, or `None` for the table's own.
+    pub topic: Option<Arc<str>>,
     /// An explicit partition, or `None` for the producer's partitioner.
     pub partition: Option<i32>,
     /// The shard of a salted event.
@@ -55,12 +69,19 @@ pub struct Placement {
 }
 
 struct Table {
-    salt: Option<PartitioningConfig>,
+    config: Option<PartitioningConfig>,
     sketch: Option<Mutex<Sketch>>,
     /// The topic's partition count (0 until known).
     partitions: AtomicI32,
     /// Hashes of the declared `salt_keys`, encoded with the table's codec.
     declared: Mutex<HashSet<u64>>,
+    /// The dedicated topic, its partition count, and the hashes of the
+    /// `dedicated_keys`.
+    dedicated: Option<Arc<str>>,
+    dedicated_partitions: AtomicI32,
+    dedicated_keys: Mutex<HashSet<u64>>,
+    /// The tenant column's index in the table's columns, once known.
+    tenant: Mutex<Option<usize>>,
     salted: OnceLock<metrics::Counter>,
     /// Keys published as hot last time, to zero when they cool.
     published: Mutex<HashMap<u64, String>>,
@@ -69,16 +90,29 @@ struct Table {
 impl Table {
     /// Whether a key at `rate` is salted: declared, or at the threshold.
     fn salts_key(&self, hash: u64, rate: f64) -> bool {
-        self.salt.as_ref().is_some_and(|s| {
-            s.salt_above_per_sec.is_some_and(|above| rate >= above)
-                || self
-                    .declared
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .contains(&hash)
+        self.config.as_ref().is_some_and(|s| {
+            s.salt_shards.is_some()
+                && (s.salt_above_per_sec.is_some_and(|above| rate >= above)
+                    || lock(&self.declared).contains(&hash))
         })
     }
+
+    /// The dedicated topic, if the event's key or tenant goes there.
+    fn route(&self, hash: u64, tenant: Option<&[u8]>) -> Option<&Arc<str>> {
+        let topic = self.dedicated.as_ref()?;
+        let config = self.config.as_ref()?;
+        let by_tenant =
+            tenant.is_some_and(|t| config.dedicated_tenants.iter().any(|d| d.as_bytes() == t));
+        (by_tenant || lock(&self.dedicated_keys).contains(&hash)).then_some(topic)
+    }
 }
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The header carrying an event's tenant (`partitioning.<table>.tenant_column`).
+pub const TENANT_HEADER: &str = "pgcdc.tenant";
 
 /// The connector's partitioning decisions, shared by its tasks.
 pub struct Partitioner {
@@ -146,6 +180,40 @@ pub fn key_label(codec: &TableCodec, row: &[Input<'_>]) -> String {
     }
 }
 
+/// The hashes of declared keys (`<base>.<field>[i]`), each encoded with
+/// the table's key codec as its events' keys are.
+fn declared_hashes(
+    codec: &TableCodec,
+    texts: &[String],
+    base: &str,
+    field: &str,
+) -> Result<HashSet<u64>, String> {
+    let key_columns = codec.desc.columns.iter().filter(|c| c.key).count();
+    let mut hashes = HashSet::new();
+    for (i, text) in texts.iter().enumerate() {
+        let path = format!("{base}.{field}[{i}]");
+        if key_columns == 0 {
+            return Err(format!("{path}: {} has no primary key", codec.table));
+        }
+        let texts = parse_declared(text, key_columns).map_err(|e| format!("{path}: {e}"))?;
+        let mut texts = texts.iter();
+        let row: Vec<Input<'_>> = codec
+            .desc
+            .columns
+            .iter()
+            .map(|c| match c.key {
+                true => texts
+                    .next()
+                    .map_or(Input::Null, |t| Input::Text(t.as_bytes())),
+                false => Input::Null,
+            })
+            .collect();
+        let key = codec.encode_key(&row).map_err(|e| format!("{path}: {e}"))?;
+        hashes.insert(key_hash(&key));
+    }
+    Ok(hashes)
+}
+
 /// The key columns' texts of a declared key (see [`key_label`]).
 fn parse_declared(text: &str, columns: usize) -> Result<Vec<String>, String> {
     if columns == 1 {
@@ -178,11 +246,15 @@ impl Partitioner {
             .changelog_tables()
             .map(|t| {
                 let table = Table {
-                    salt: config.partitioning.get(t).cloned(),
+                    config: config.partitioning.get(t).cloned(),
                     sketch: (hot.capacity > 0)
                         .then(|| Mutex::new(Sketch::new(hot.capacity, window, now))),
                     partitions: AtomicI32::new(0),
                     declared: Mutex::default(),
+                    dedicated: config.dedicated_topic(t).map(Arc::from),
+                    dedicated_partitions: AtomicI32::new(0),
+                    dedicated_keys: Mutex::default(),
+                    tenant: Mutex::default(),
                     salted: OnceLock::new(),
                     published: Mutex::default(),
                 };
@@ -192,52 +264,85 @@ impl Partitioner {
         Partitioner { hot, tables }
     }
 
-    /// Whether `table` salts (and so needs its topic's partition count).
-    pub fn salts(&self, table: &str) -> bool {
-        self.tables.get(table).is_some_and(|t| t.salt.is_some())
+    /// The topics whose partition counts placement needs: those of the
+    /// salting tables.
+    pub fn counted_topics(&self, config: &Config) -> Vec<String> {
+        self.tables
+            .iter()
+            .filter(|(_, t)| t.config.as_ref().is_some_and(|c| c.salt_shards.is_some()))
+            .flat_map(|(table, _)| config.topics_of(table))
+            .collect()
+    }
+
+    /// Whether `table`'s tenant column is outside its key: a delete then
+    /// carries the tenant only under `REPLICA IDENTITY FULL`.
+    pub fn tenant_outside_key(&self, codec: &TableCodec) -> Option<String> {
+        let t = self.tables.get(&codec.table)?;
+        let column = t.config.as_ref()?.tenant_column.as_ref()?;
+        codec
+            .desc
+            .columns
+            .iter()
+            .any(|c| &c.name == column && !c.key)
+            .then(|| column.clone())
     }
 
     /// Takes a table's codec (after its schemas are registered, as the
-    /// key bytes carry the key schema's id) and its topic's partition
-    /// count: the declared keys are encoded as its events' keys are. An
-    /// error names the declared key's field.
-    pub fn prepare(&self, codec: &TableCodec, partitions: i32) -> Result<(), String> {
+    /// key bytes carry the key schema's id) and its topics' partition
+    /// counts: the declared keys are encoded as its events' keys are, and
+    /// the tenant column is found. An error names the field.
+    pub fn prepare(
+        &self,
+        codec: &TableCodec,
+        partitions: &std::collections::BTreeMap<String, i32>,
+    ) -> Result<(), String> {
         let Some(t) = self.tables.get(&codec.table) else {
             return Ok(());
         };
-        t.partitions.store(partitions, Ordering::Relaxed);
-        let Some(salt) = &t.salt else {
+        let count = |topic: &str| partitions.get(topic).copied().unwrap_or(0);
+        t.partitions.store(count(&codec.topic), Ordering::Relaxed);
+        if let Some(d) = &t.dedicated {
+            t.dedicated_partitions.store(count(d), Ordering::Relaxed);
+        }
+        let Some(config) = &t.config else {
             return Ok(());
         };
-        let key_columns = codec.desc.columns.iter().filter(|c| c.key).count();
-        let mut declared = HashSet::new();
-        for (i, text) in salt.salt_keys.iter().enumerate() {
-            let path = format!("partitioning.\"{}\".salt_keys[{i}]", codec.table);
-            if key_columns == 0 {
-                return Err(format!("{path}: {} has no primary key", codec.table));
-            }
-            let texts = parse_declared(text, key_columns).map_err(|e| format!("{path}: {e}"))?;
-            let mut texts = texts.iter();
-            let row: Vec<Input<'_>> = codec
-                .desc
-                .columns
-                .iter()
-                .map(|c| match c.key {
-                    true => texts
-                        .next()
-                        .map_or(Input::Null, |t| Input::Text(t.as_bytes())),
-                    false => Input::Null,
-                })
-                .collect();
-            let key = codec.encode_key(&row).map_err(|e| format!("{path}: {e}"))?;
-            declared.insert(key_hash(&key));
-        }
-        *t.declared.lock().unwrap_or_else(|e| e.into_inner()) = declared;
+        let base = format!("partitioning.\"{}\"", codec.table);
+        *lock(&t.declared) = declared_hashes(codec, &config.salt_keys, &base, "salt_keys")?;
+        *lock(&t.dedicated_keys) =
+            declared_hashes(codec, &config.dedicated_keys, &base, "dedicated_keys")?;
+        *lock(&t.tenant) = match &config.tenant_column {
+            None => None,
+            Some(column) => Some(
+                codec
+                    .desc
+                    .columns
+                    .iter()
+                    .position(|c| &c.name == column)
+                    .ok_or_else(|| {
+                        format!(
+                            "{base}.tenant_column: {} has no column {column}",
+                            codec.table
+                        )
+                    })?,
+            ),
+        };
         Ok(())
     }
 
-    /// Where an event of `table` with the framed `key` goes, counting it
-    /// in the table's sketch. `row` is the image the key was taken from.
+    /// The tenant of an event of `table` (the text of its tenant column in
+    /// `row`), if the table has a tenant column and the row a value.
+    pub fn tenant<'a>(&self, table: &str, row: &[Input<'a>]) -> Option<&'a [u8]> {
+        let i = (*lock(&self.tables.get(table)?.tenant))?;
+        match row.get(i) {
+            Some(Input::Text(t)) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// Where an event of `table` with the framed `key` goes, counting a
+    /// streamed one in the table's sketch. `row` is the image the key was
+    /// taken from. Snapshot rows are routed but never salted.
     pub fn place(
         &self,
         codec: &TableCodec,
@@ -250,10 +355,11 @@ impl Partitioner {
             return Placement::default();
         };
         let hash = key_hash(key);
+        let topic = t.route(hash, self.tenant(&codec.table, row)).cloned();
         let mut rate = 0.0;
-        if let Some(sketch) = &t.sketch {
+        if let Some(sketch) = t.sketch.as_ref().filter(|_| op != Op::Read) {
             let now = Instant::now();
-            let mut s = sketch.lock().unwrap_or_else(|e| e.into_inner());
+            let mut s = lock(sketch);
             let i = s.observe(hash, now);
             rate = s.rate(i, now);
             // Only reported keys need their text, so cold keys cost none.
@@ -261,14 +367,21 @@ impl Partitioner {
                 s.set_label(i, self.shown(hash, || key_label(codec, row)));
             }
         }
-        let Some(salt) = &t.salt else {
-            return Placement::default();
+        let routed = Placement {
+            topic: topic.clone(),
+            ..Placement::default()
         };
-        let partitions = t.partitions.load(Ordering::Relaxed);
-        if partitions <= 1 {
-            return Placement::default();
+        let Some(shards) = t.config.as_ref().and_then(|c| c.salt_shards) else {
+            return routed;
+        };
+        let partitions = match topic {
+            Some(_) => t.dedicated_partitions.load(Ordering::Relaxed),
+            None => t.partitions.load(Ordering::Relaxed),
+        };
+        if partitions <= 1 || op == Op::Read {
+            return routed;
         }
-        let shards = shard_partitions(key, salt.salt_shards, partitions);
+        let shards = shard_partitions(key, shards, partitions);
         let tombstones = if op == Op::Delete {
             shards.clone()
         } else {
@@ -277,7 +390,7 @@ impl Partitioner {
         if !t.salts_key(hash, rate) {
             return Placement {
                 tombstones,
-                ..Placement::default()
+                ..routed
             };
         }
         let shard = shard_of(position, shards.len() as u32);
@@ -287,6 +400,7 @@ impl Partitioner {
             )
             .increment(1);
         Placement {
+            topic,
             partition: Some(shards[shard as usize]),
             shard: Some(shard),
             tombstones,
@@ -309,11 +423,8 @@ impl Partitioner {
         let now = Instant::now();
         for (table, t) in &self.tables {
             let Some(sketch) = &t.sketch else { continue };
-            let hot = sketch
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .hot(self.hot.report_per_sec, now);
-            let mut published = t.published.lock().unwrap_or_else(|e| e.into_inner());
+            let hot = lock(sketch).hot(self.hot.report_per_sec, now);
+            let mut published = lock(&t.published);
             let mut now_hot = HashMap::new();
             for h in hot {
                 let key = h.label.clone().unwrap_or_else(|| fingerprint(h.hash));
