@@ -713,7 +713,7 @@ async fn a_tenant_column_a_delete_would_not_carry_stops_the_connector_before_it_
     assert_ne!(run.code, 0, "{}", run.all_output());
     assert!(
         run.stderr.contains(
-            "partitioning.\"public.events\".tenant_column: tenant is not in the primary key"
+            "partitioning.\"public.events\".tenant_column: tenant is not in the replica identity of public.events"
         ) && run.stderr.contains("REPLICA IDENTITY FULL"),
         "{}",
         run.all_output()
@@ -721,6 +721,21 @@ async fn a_tenant_column_a_delete_would_not_carry_stops_the_connector_before_it_
     // Nothing was produced: the check comes before the snapshot.
     let topic = format!("{}.public.events", db.name);
     assert_eq!(materialize::end_offsets(&stack, &topic).await, 0);
+    // A replica identity index without the tenant is no better.
+    db.client()
+        .await
+        .batch_execute(
+            "CREATE UNIQUE INDEX events_id ON public.events (id);
+             ALTER TABLE public.events REPLICA IDENTITY USING INDEX events_id;",
+        )
+        .await
+        .expect("identity index");
+    let run = support::pgcdc(&["run", "--config", file.arg()]).await;
+    assert!(
+        run.code != 0 && run.stderr.contains("tenant is not in the replica identity"),
+        "{}",
+        run.all_output()
+    );
     let missing =
         ConfigFile::write(&toml.replace("tenant_column = \"tenant\"", "tenant_column = \"nope\""));
     let run = support::pgcdc(&["run", "--config", missing.arg()]).await;

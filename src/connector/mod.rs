@@ -340,12 +340,20 @@ impl Output {
             }
         }
         codec.meters.event(op, value.len());
+        // The new image's tenant, else the old one's (a tenant left
+        // unchanged as TOAST is only in the old image, if anywhere).
+        let tenant = [after, before]
+            .into_iter()
+            .flatten()
+            .find_map(|row| self.partitioning.tenant(table, row));
         let placement = match (&key, key_image) {
-            (Some(k), Some(row)) => self.partitioning.place(codec, k, row, op, src.position),
+            (Some(k), Some(row)) => {
+                self.partitioning
+                    .place(codec, k, row, tenant, op, src.position)
+            }
             _ => Placement::default(),
         };
         let topic = placement.topic.as_deref().unwrap_or(topic);
-        let tenant = key_image.and_then(|row| self.partitioning.tenant(table, row));
         let mut headers = None;
         for (name, value) in [
             (
@@ -959,9 +967,15 @@ struct Ready {
     resume_commit: u64,
 }
 
+fn tenant_outside_identity(field: &str, column: &str, table: &str) -> String {
+    format!(
+        "{field}: {column} is not in the replica identity of {table} (its primary key, or the index REPLICA IDENTITY USING INDEX names), so its deletes would not carry the tenant; run ALTER TABLE {table} REPLICA IDENTITY FULL, or name a key column"
+    )
+}
+
 /// Every `partitioning.<table>.tenant_column` exists, and a delete will
-/// carry it: it is a primary-key column or the table is `REPLICA
-/// IDENTITY FULL`. Checked before the snapshot, so a mistake stops the
+/// carry it: it is in the table's replica identity (its primary key, or
+/// the index `REPLICA IDENTITY USING INDEX` names), or that is `FULL`. Checked before the snapshot, so a mistake stops the
 /// connector before it has produced anything.
 async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunError> {
     for (table, p) in &config.partitioning {
@@ -981,7 +995,9 @@ async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunEr
                 "SELECT c.relreplident = 'f',
                         EXISTS (SELECT 1 FROM pg_index i
                                 JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
-                                WHERE i.indrelid = c.oid AND i.indisprimary AND a.attname = $2),
+                                WHERE i.indrelid = c.oid AND a.attname = $2
+                                  AND ((c.relreplident = 'd' AND i.indisprimary)
+                                       OR (c.relreplident = 'i' AND i.indisreplident))),
                         EXISTS (SELECT 1 FROM pg_attribute a
                                 WHERE a.attrelid = c.oid AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped)
                  FROM pg_class c WHERE c.oid = to_regclass($1)",
@@ -994,15 +1010,15 @@ async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunEr
                 "{field}: table {table} does not exist"
             )));
         };
-        let (full, in_key, exists): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
+        let (full, in_identity, exists): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
         if !exists {
             return Err(RunError::Config(format!(
                 "{field}: {table} has no column {column}"
             )));
         }
-        if !full && !in_key {
-            return Err(RunError::Config(format!(
-                "{field}: {column} is not in the primary key of {table}, so its deletes would not carry the tenant; run ALTER TABLE {table} REPLICA IDENTITY FULL, or name a key column"
+        if !full && !in_identity {
+            return Err(RunError::Config(tenant_outside_identity(
+                &field, column, table,
             )));
         }
     }
@@ -2154,9 +2170,11 @@ async fn on_message(
             // (nor scheduled) with the key's other events.
             if let Some(column) = output.partitioning.tenant_outside_key(&codec) {
                 if rel.replica_identity != source::pgoutput::ReplicaIdentity::Full {
-                    return Err(RunError::Config(format!(
-                        "partitioning.\"{table}\".tenant_column: {column} is not in the primary key of {table}, so its deletes would not carry the tenant; run ALTER TABLE {table} REPLICA IDENTITY FULL, or name a key column",
-                        table = codec.table
+                    let field = format!("partitioning.\"{}\".tenant_column", codec.table);
+                    return Err(RunError::Config(tenant_outside_identity(
+                        &field,
+                        &column,
+                        &codec.table,
                     )));
                 }
             }

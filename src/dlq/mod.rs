@@ -581,7 +581,16 @@ async fn round(
         }
     }
     // After the policies: what they resolved no longer holds its key.
-    let keys = r.open_keys().await?;
+    let homes = config.homes();
+    let keys = r
+        .open_keys()
+        .await?
+        .into_iter()
+        .map(|((topic, key), class)| {
+            let topic = homes.get(&topic).cloned().unwrap_or(topic);
+            ((topic, key), class)
+        })
+        .collect();
     held.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .refresh(keys, synced);

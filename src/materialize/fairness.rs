@@ -16,6 +16,11 @@
 //! - **Never idle.** Room left in a batch goes to waiting records,
 //!   round-robin by tenant, tokens or not: a quota orders work, it does
 //!   not throttle an otherwise idle materializer.
+//! - **A rebalance loses nothing.** Waiting records of a partition given
+//!   away stay and are applied here (the position guard makes that
+//!   harmless next to the new owner's copy); its offsets are the new
+//!   owner's to commit. Paused partitions stay on the list to resume, as
+//!   librdkafka keeps a partition paused across a re-assignment.
 //! - **Bounded memory.** At `max_deferred` waiting records, the partitions
 //!   that hold waiting records are paused until half of them have been
 //!   applied. On one shared topic that is every partition (fairness falls
@@ -293,25 +298,10 @@ impl Fairness {
         (Vec::new(), Vec::new())
     }
 
-    /// Drops the waiting records of partitions this instance no longer
-    /// owns: their new owner reads them from the committed offset, which
-    /// is at or before them.
-    pub fn keep_only(&mut self, owned: impl Fn(&str, i32) -> bool) {
-        if self.count == 0 && self.paused.is_empty() {
-            return;
-        }
-        self.paused.retain(|(t, p)| owned(t, *p));
-        self.held.retain(|(t, p), _| owned(t, *p));
-        self.high.retain(|(t, p), _| owned(t, *p));
-        let mut count = 0;
-        for queue in self.waiting.values_mut() {
-            queue.retain(|m| owned(m.topic(), m.partition()));
-            count += queue.len();
-        }
-        self.waiting.retain(|_, q| !q.is_empty());
-        let waiting = &self.waiting;
-        self.turn.retain(|t| waiting.contains_key(t));
-        self.count = count;
+    /// Partitions a resume failed for: still paused, to resume next time.
+    pub fn still_paused(&mut self, partitions: Vec<Partition>) {
+        self.paused.extend(partitions);
+        metrics::gauge!(observe::MATERIALIZE_PAUSED).set(self.paused.len() as f64);
     }
 
     /// Per-tenant lag after a batch: for each tenant in it, the age of its
@@ -465,21 +455,6 @@ mod tests {
         assert_eq!(f.flow(), (vec![], vec![]), "3 of 4 still wait");
         f.release(1, true, now);
         assert_eq!(f.flow(), (vec![], vec![("t".to_string(), 0)]));
-    }
-
-    #[test]
-    fn records_of_a_partition_given_away_are_dropped() {
-        let now = Instant::now();
-        let mut f = quota(0.001, 100);
-        for o in 0..5 {
-            f.admit(record("a", 0, o), now);
-            f.admit(record("a", 1, o), now);
-        }
-        f.keep_only(|_, p| p == 1);
-        // Two went by the burst; partition 1 keeps four.
-        assert_eq!(f.waiting(), 4);
-        let out = f.release(10, true, now);
-        assert!(out.iter().all(|m| m.partition() == 1));
     }
 
     #[test]

@@ -342,18 +342,25 @@ fn held_failure(class: &'static str, c: &Change) -> Failure {
     }
 }
 
-fn held_key(m: &rdkafka::message::OwnedMessage) -> Option<HeldKey> {
-    m.key().map(|k| (m.topic().to_string(), k.to_vec()))
+/// A record's key as dead letters hold it: by its table's own topic, so a
+/// key that moved to or from a dedicated topic is one key.
+fn held_key(
+    homes: &HashMap<String, String>,
+    m: &rdkafka::message::OwnedMessage,
+) -> Option<HeldKey> {
+    m.key()
+        .map(|k| (home(homes, m.topic()).to_string(), k.to_vec()))
 }
 
 /// The class a change is held behind when it leaves a column unchanged and
 /// its key was refused earlier in the batch.
 fn held_in(
+    homes: &HashMap<String, String>,
     refused: &HashMap<HeldKey, &'static str>,
     m: &rdkafka::message::OwnedMessage,
     c: &Change,
 ) -> Option<&'static str> {
-    held_key(m)
+    held_key(homes, m)
         .filter(|_| leaves_unchanged(c))
         .and_then(|k| refused.get(&k).copied())
 }
@@ -374,12 +381,12 @@ fn hold_back(
     // changes after them.
     let earlier: Vec<(usize, HeldKey, &'static str)> = dead
         .iter()
-        .filter_map(|(i, f)| held_key(&batch[*i]).map(|k| (*i, k, f.class)))
+        .filter_map(|(i, f)| held_key(&state.homes, &batch[*i]).map(|k| (*i, k, f.class)))
         .collect();
     changes
         .into_iter()
         .filter_map(|(i, c)| {
-            let class = held_key(&batch[i])
+            let class = held_key(&state.homes, &batch[i])
                 .filter(|_| leaves_unchanged(&c))
                 .and_then(|k| {
                     held.class(&k).or_else(|| {
@@ -408,7 +415,7 @@ fn remember<'a>(
     if let Some(held) = state.held.as_ref() {
         let mut held = lock_held(held);
         for (m, class) in records {
-            if let Some(k) = held_key(m) {
+            if let Some(k) = held_key(&state.homes, m) {
                 held.local.insert(k, (class, Instant::now()));
             }
         }
@@ -934,6 +941,9 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         if fair.waiting() > 0 && shutdown.requested().now_or_never().is_some() {
             break;
         }
+        // Paused partitions whose waiting records all left are resumed
+        // before the wait, which would otherwise never end.
+        apply_flow(&consumer, &mut fair);
         let mut batch = fair.release(target.batch_size, false, formed);
         if batch.is_empty() && fair.waiting() == 0 {
             tokio::select! {
@@ -971,34 +981,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
                 Err(_) => break,
             }
         }
-        let (pause, resume) = fair.flow();
-        for (partitions, pausing) in [(pause, true), (resume, false)] {
-            if partitions.is_empty() {
-                continue;
-            }
-            let mut tpl = TopicPartitionList::new();
-            for (topic, partition) in &partitions {
-                tpl.add_partition(topic, *partition);
-            }
-            let done = match pausing {
-                true => consumer.pause(&tpl),
-                false => consumer.resume(&tpl),
-            };
-            match done {
-                Ok(()) => tracing::info!(
-                    partitions = partitions.len(),
-                    waiting = fair.waiting(),
-                    pausing,
-                    "tenant quota buffer: {}",
-                    if pausing {
-                        "full, pausing the partitions that hold waiting records"
-                    } else {
-                        "drained to half, resuming"
-                    }
-                ),
-                Err(e) => tracing::warn!(error = %e, pausing, "cannot pause or resume partitions"),
-            }
-        }
+        apply_flow(&consumer, &mut fair);
         // After the flow decision, which must see a full buffer as full.
         if batch.len() < target.batch_size {
             let room = target.batch_size - batch.len();
@@ -1078,8 +1061,13 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             .record(started.elapsed().as_secs_f64());
         // Only now, with the transaction committed, do the offsets move,
         // and never past a record that waits.
-        let next = fair.commit_points(&batch);
+        let mut next = fair.commit_points(&batch);
         fair.report(&batch, crate::connector::now_ms());
+        // A partition a rebalance gave away (its waiting records applied
+        // here anyway) is its new owner's to commit: ours could be behind.
+        if let Ok(owned) = consumer.assignment() {
+            next.retain(|(topic, partition), _| owned.find_partition(topic, *partition).is_some());
+        }
         let mut tpl = TopicPartitionList::new();
         for ((topic, partition), offset) in &next {
             tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
@@ -1090,7 +1078,6 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         }
         dead_letters.batch_done();
         if let (Ok(mut c), Ok(owned)) = (committed.lock(), consumer.assignment()) {
-            fair.keep_only(|topic, partition| owned.find_partition(topic, partition).is_some());
             c.extend(next);
             // Partitions a rebalance gave away are the new owner's to report.
             c.retain(|(topic, partition), _| {
@@ -1120,6 +1107,44 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Pauses the partitions holding waiting records when the tenant quota's
+/// buffer is full, and resumes them once it has drained to half (see
+/// [`fairness`]). A resume that fails is tried again next time.
+fn apply_flow(consumer: &StreamConsumer, fair: &mut fairness::Fairness) {
+    let (pause, resume) = fair.flow();
+    for (partitions, pausing) in [(pause, true), (resume, false)] {
+        if partitions.is_empty() {
+            continue;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for (topic, partition) in &partitions {
+            tpl.add_partition(topic, *partition);
+        }
+        let done = match pausing {
+            true => consumer.pause(&tpl),
+            false => consumer.resume(&tpl),
+        };
+        match done {
+            Ok(()) if pausing => tracing::info!(
+                partitions = partitions.len(),
+                waiting = fair.waiting(),
+                "tenant quota buffer full: pausing the partitions that hold waiting records"
+            ),
+            Ok(()) => tracing::info!(
+                partitions = partitions.len(),
+                waiting = fair.waiting(),
+                "tenant quota buffer drained to half: resuming"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, pausing, "cannot pause or resume partitions; trying again");
+                if !pausing {
+                    fair.still_paused(partitions);
+                }
+            }
+        }
+    }
 }
 
 /// An error the consumer reported instead of a message: a broker outage
@@ -1483,8 +1508,8 @@ async fn apply_batch(
             let mut refused: HashMap<HeldKey, &'static str> = HashMap::new();
             for one in changes.chunks(1) {
                 let (i, change) = &one[0];
-                if let Some(class) =
-                    held_in(&refused, &batch[*i], change).filter(|_| state.held.is_some())
+                if let Some(class) = held_in(&state.homes, &refused, &batch[*i], change)
+                    .filter(|_| state.held.is_some())
                 {
                     let f = held_failure(class, change);
                     dead_letters.send(&batch[*i], &f).await?;
@@ -1494,14 +1519,14 @@ async fn apply_batch(
                 match apply_with_retry(state, db, dead_letters, batch, one, &lookups).await {
                     Ok(done) => {
                         for (j, f) in &done.dead {
-                            if let Some(k) = held_key(&batch[*j]) {
+                            if let Some(k) = held_key(&state.homes, &batch[*j]) {
                                 refused.insert(k, f.class);
                             }
                         }
                         total.add(done)
                     }
                     Err(MaterializeError::ViewRejected { class, error }) => {
-                        if let Some(k) = held_key(&batch[*i]) {
+                        if let Some(k) = held_key(&state.homes, &batch[*i]) {
                             refused.insert(k, class);
                         }
                         let f = Failure {
@@ -1739,7 +1764,7 @@ async fn apply_in(
         let Some(m) = mirrors.get(home(homes, batch[*i].topic())) else {
             continue;
         };
-        if let Some(class) = held_in(&refused, &batch[*i], change).filter(|_| state_holds) {
+        if let Some(class) = held_in(homes, &refused, &batch[*i], change).filter(|_| state_holds) {
             done.dead.push((*i, held_failure(class, change)));
             continue;
         }
@@ -1825,7 +1850,7 @@ async fn apply_in(
                         }
                         _ => class,
                     };
-                    if let Some(k) = held_key(&batch[*i]) {
+                    if let Some(k) = held_key(homes, &batch[*i]) {
                         refused.insert(k, class);
                     }
                     done.dead.push((

@@ -340,14 +340,15 @@ impl Partitioner {
         }
     }
 
-    /// Where an event of `table` with the framed `key` goes, counting a
-    /// streamed one in the table's sketch. `row` is the image the key was
-    /// taken from. Snapshot rows are routed but never salted.
+    /// Where an event of `table` with the framed `key` and `tenant` goes,
+    /// counting a streamed one in the table's sketch. `row` is the image
+    /// the key was taken from. Snapshot rows are routed but never salted.
     pub fn place(
         &self,
         codec: &TableCodec,
         key: &[u8],
         row: &[Input<'_>],
+        tenant: Option<&[u8]>,
         op: Op,
         position: Position,
     ) -> Placement {
@@ -355,7 +356,7 @@ impl Partitioner {
             return Placement::default();
         };
         let hash = key_hash(key);
-        let topic = t.route(hash, self.tenant(&codec.table, row)).cloned();
+        let topic = t.route(hash, tenant).cloned();
         let mut rate = 0.0;
         if let Some(sketch) = t.sketch.as_ref().filter(|_| op != Op::Read) {
             let now = Instant::now();
