@@ -367,6 +367,23 @@ async fn source_checks(
     for table in &src.tables {
         check_table(client, table, &role, r).await?;
     }
+    for (table, p) in &config.partitioning {
+        let Some(column) = &p.tenant_column else {
+            continue;
+        };
+        let name = format!("partitioning.{table}.tenant_column");
+        match crate::source::catalog::tenant_column_problem(client, table, column).await? {
+            None => r.pass(
+                &name,
+                format!("{table}.{column} names the tenant, and deletes carry it"),
+            ),
+            Some(problem) => r.fail(
+                &name,
+                problem,
+                "make the column part of the replica identity, or set REPLICA IDENTITY FULL",
+            ),
+        }
+    }
     check_publication(client, config, superuser, r).await?;
     check_slot(client, config, r).await
 }
@@ -732,8 +749,10 @@ async fn check_kafka(config: &Config, r: &mut Report) {
             ),
         );
     }
-    for table in config.changelog_tables() {
-        let topic = config.topic_for(table);
+    let topics = config
+        .changelog_tables()
+        .flat_map(|t| config.topics_of(t).into_iter().map(move |topic| (t, topic)));
+    for (table, topic) in topics {
         let name = format!("kafka.topic.{topic}");
         if !existing.contains(&topic) {
             r.pass(

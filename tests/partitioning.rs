@@ -721,6 +721,15 @@ async fn a_tenant_column_a_delete_would_not_carry_stops_the_connector_before_it_
     // Nothing was produced: the check comes before the snapshot.
     let topic = format!("{}.public.events", db.name);
     assert_eq!(materialize::end_offsets(&stack, &topic).await, 0);
+    // `pgcdc check` says so too, and passes once deletes carry it.
+    let check_line = async |expected: &str| {
+        let check = support::pgcdc(&["check", "--config", file.arg()]).await;
+        let line = check
+            .check_line("partitioning.public.events.tenant_column")
+            .unwrap_or_else(|| panic!("{}", check.all_output()));
+        assert!(line.starts_with(expected), "{line}");
+    };
+    check_line("FAIL").await;
     // A replica identity index without the tenant is no better.
     db.client()
         .await
@@ -736,6 +745,12 @@ async fn a_tenant_column_a_delete_would_not_carry_stops_the_connector_before_it_
         "{}",
         run.all_output()
     );
+    db.client()
+        .await
+        .batch_execute("ALTER TABLE public.events REPLICA IDENTITY FULL")
+        .await
+        .expect("full");
+    check_line("PASS").await;
     let missing =
         ConfigFile::write(&toml.replace("tenant_column = \"tenant\"", "tenant_column = \"nope\""));
     let run = support::pgcdc(&["run", "--config", missing.arg()]).await;

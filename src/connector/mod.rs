@@ -967,59 +967,18 @@ struct Ready {
     resume_commit: u64,
 }
 
-fn tenant_outside_identity(field: &str, column: &str, table: &str) -> String {
-    format!(
-        "{field}: {column} is not in the replica identity of {table} (its primary key, or the index REPLICA IDENTITY USING INDEX names), so its deletes would not carry the tenant; run ALTER TABLE {table} REPLICA IDENTITY FULL, or name a key column"
-    )
-}
-
 /// Every `partitioning.<table>.tenant_column` exists, and a delete will
-/// carry it: it is in the table's replica identity (its primary key, or
-/// the index `REPLICA IDENTITY USING INDEX` names), or that is `FULL`. Checked before the snapshot, so a mistake stops the
-/// connector before it has produced anything.
+/// carry it (see [`source::catalog::tenant_column_problem`]). Checked
+/// before the snapshot, so a mistake stops the connector before it has
+/// produced anything.
 async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunError> {
     for (table, p) in &config.partitioning {
-        let Some(column) = &p.tenant_column else {
-            continue;
-        };
-        let Some((schema, name)) = crate::config::split_table(table) else {
-            continue;
-        };
-        let regclass = format!(
-            "{}.{}",
-            slot::quote_ident(&schema),
-            slot::quote_ident(&name)
-        );
-        let row = sql
-            .query_opt(
-                "SELECT c.relreplident = 'f',
-                        EXISTS (SELECT 1 FROM pg_index i
-                                JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
-                                WHERE i.indrelid = c.oid AND a.attname = $2
-                                  AND ((c.relreplident = 'd' AND i.indisprimary)
-                                       OR (c.relreplident = 'i' AND i.indisreplident))),
-                        EXISTS (SELECT 1 FROM pg_attribute a
-                                WHERE a.attrelid = c.oid AND a.attname = $2 AND a.attnum > 0 AND NOT a.attisdropped)
-                 FROM pg_class c WHERE c.oid = to_regclass($1)",
-                &[&regclass, column],
-            )
-            .await?;
-        let field = format!("partitioning.\"{table}\".tenant_column");
-        let Some(row) = row else {
-            return Err(RunError::Config(format!(
-                "{field}: table {table} does not exist"
-            )));
-        };
-        let (full, in_identity, exists): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
-        if !exists {
-            return Err(RunError::Config(format!(
-                "{field}: {table} has no column {column}"
-            )));
-        }
-        if !full && !in_identity {
-            return Err(RunError::Config(tenant_outside_identity(
-                &field, column, table,
-            )));
+        if let Some(column) = &p.tenant_column {
+            if let Some(problem) =
+                source::catalog::tenant_column_problem(sql, table, column).await?
+            {
+                return Err(RunError::Config(problem));
+            }
         }
     }
     Ok(())
@@ -2171,7 +2130,7 @@ async fn on_message(
             if let Some(column) = output.partitioning.tenant_outside_key(&codec) {
                 if rel.replica_identity != source::pgoutput::ReplicaIdentity::Full {
                     let field = format!("partitioning.\"{}\".tenant_column", codec.table);
-                    return Err(RunError::Config(tenant_outside_identity(
+                    return Err(RunError::Config(source::catalog::tenant_outside_identity(
                         &field,
                         &column,
                         &codec.table,

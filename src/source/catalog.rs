@@ -241,6 +241,54 @@ fn unescape(raw: &[u8], field: &mut Vec<u8>) {
     }
 }
 
+/// What stops `column` of `table` from serving as its tenant column
+/// (`partitioning.<table>.tenant_column`), if anything: it must exist, and
+/// be in the replica identity (the primary key, or the index `REPLICA
+/// IDENTITY USING INDEX` names) unless that is `FULL`, so that a delete
+/// carries it. The message names the field.
+pub async fn tenant_column_problem(
+    client: &Client,
+    table: &str,
+    column: &str,
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let field = format!("partitioning.\"{table}\".tenant_column");
+    let Some((schema, name)) = crate::config::split_table(table) else {
+        return Ok(None); // validation already refused it
+    };
+    let row = client
+        .query_opt(
+            "SELECT c.relreplident = 'f',
+                    EXISTS (SELECT 1 FROM pg_index i
+                            JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY (i.indkey)
+                            WHERE i.indrelid = c.oid AND a.attname = $3
+                              AND ((c.relreplident = 'd' AND i.indisprimary)
+                                   OR (c.relreplident = 'i' AND i.indisreplident))),
+                    EXISTS (SELECT 1 FROM pg_attribute a
+                            WHERE a.attrelid = c.oid AND a.attname = $3 AND a.attnum > 0 AND NOT a.attisdropped)
+             FROM pg_class c WHERE c.oid = to_regclass(format('%I.%I', $1::text, $2::text))",
+            &[&schema, &name, &column],
+        )
+        .await?;
+    let Some(row) = row else {
+        return Ok(Some(format!("{field}: table {table} does not exist")));
+    };
+    let (full, in_identity, exists): (bool, bool, bool) = (row.get(0), row.get(1), row.get(2));
+    Ok(if !exists {
+        Some(format!("{field}: {table} has no column {column}"))
+    } else if !full && !in_identity {
+        Some(tenant_outside_identity(&field, column, table))
+    } else {
+        None
+    })
+}
+
+/// The error of a tenant column a delete would not carry.
+pub fn tenant_outside_identity(field: &str, column: &str, table: &str) -> String {
+    format!(
+        "{field}: {column} is not in the replica identity of {table} (its primary key, or the index REPLICA IDENTITY USING INDEX names), so its deletes would not carry the tenant; run ALTER TABLE {table} REPLICA IDENTITY FULL, or name a key column"
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
