@@ -41,7 +41,7 @@
 pub mod sketch;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -80,8 +80,9 @@ struct Table {
     dedicated: Option<Arc<str>>,
     dedicated_partitions: AtomicI32,
     dedicated_keys: Mutex<HashSet<u64>>,
-    /// The tenant column's index in the table's columns, once known.
-    tenant: Mutex<Option<usize>>,
+    /// The tenant column's index in the table's columns, once known
+    /// ([`NO_TENANT`] until then, or without one).
+    tenant: AtomicUsize,
     salted: OnceLock<metrics::Counter>,
     /// Keys published as hot last time, to zero when they cool.
     published: Mutex<HashMap<u64, String>>,
@@ -111,6 +112,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+const NO_TENANT: usize = usize::MAX;
+
 /// The header carrying an event's tenant (`partitioning.<table>.tenant_column`).
 pub const TENANT_HEADER: &str = "pgcdc.tenant";
 
@@ -118,6 +121,8 @@ pub const TENANT_HEADER: &str = "pgcdc.tenant";
 pub struct Partitioner {
     hot: HotKeysConfig,
     tables: HashMap<String, Table>,
+    /// Whether some table has a tenant column.
+    tenants: bool,
 }
 
 impl std::fmt::Debug for Partitioner {
@@ -254,14 +259,22 @@ impl Partitioner {
                     dedicated: config.dedicated_topic(t).map(Arc::from),
                     dedicated_partitions: AtomicI32::new(0),
                     dedicated_keys: Mutex::default(),
-                    tenant: Mutex::default(),
+                    tenant: AtomicUsize::new(NO_TENANT),
                     salted: OnceLock::new(),
                     published: Mutex::default(),
                 };
                 (t.clone(), table)
             })
             .collect();
-        Partitioner { hot, tables }
+        let tenants = config
+            .partitioning
+            .values()
+            .any(|p| p.tenant_column.is_some());
+        Partitioner {
+            hot,
+            tables,
+            tenants,
+        }
     }
 
     /// The topics whose partition counts placement needs: those of the
@@ -311,29 +324,32 @@ impl Partitioner {
         *lock(&t.declared) = declared_hashes(codec, &config.salt_keys, &base, "salt_keys")?;
         *lock(&t.dedicated_keys) =
             declared_hashes(codec, &config.dedicated_keys, &base, "dedicated_keys")?;
-        *lock(&t.tenant) = match &config.tenant_column {
-            None => None,
-            Some(column) => Some(
-                codec
-                    .desc
-                    .columns
-                    .iter()
-                    .position(|c| &c.name == column)
-                    .ok_or_else(|| {
-                        format!(
-                            "{base}.tenant_column: {} has no column {column}",
-                            codec.table
-                        )
-                    })?,
-            ),
+        let tenant = match &config.tenant_column {
+            None => NO_TENANT,
+            Some(column) => codec
+                .desc
+                .columns
+                .iter()
+                .position(|c| &c.name == column)
+                .ok_or_else(|| {
+                    format!(
+                        "{base}.tenant_column: {} has no column {column}",
+                        codec.table
+                    )
+                })?,
         };
+        t.tenant.store(tenant, Ordering::Relaxed);
         Ok(())
     }
 
     /// The tenant of an event of `table` (the text of its tenant column in
     /// `row`), if the table has a tenant column and the row a value.
     pub fn tenant<'a>(&self, table: &str, row: &[Input<'a>]) -> Option<&'a [u8]> {
-        let i = (*lock(&self.tables.get(table)?.tenant))?;
+        // Most pipelines name no tenant: no look-up per event then.
+        if !self.tenants {
+            return None;
+        }
+        let i = self.tables.get(table)?.tenant.load(Ordering::Relaxed);
         match row.get(i) {
             Some(Input::Text(t)) => Some(t),
             _ => None,
