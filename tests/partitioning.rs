@@ -761,5 +761,23 @@ async fn a_tenant_column_a_delete_would_not_carry_stops_the_connector_before_it_
         "{}",
         run.all_output()
     );
+    // A rebuild does not read dedicated topics yet: it refuses, rather
+    // than rebuild without the keys routed there.
+    let routed = ConfigFile::write(&format!(
+        "{}\n[target]\nurl = \"{}\"\n[read_models.ev]\ntable = \"read_models.ev\"\nkey = [\"id\"]\nquery = \"SELECT id FROM mirror.events WHERE id = ANY($1)\"\nsources = [{{ table = \"public.events\", key_columns = [\"id\"] }}]\n[partitioning.\"public.events\"]\ndedicated_keys = [\"1\"]\n",
+        support::pipeline_toml(&stack, &db.url, &db.name, &["public.events"]),
+        db.url
+    ));
+    let rebuild =
+        support::pgcdc(&["rebuild", "--config", routed.arg(), "--read-model", "ev"]).await;
+    assert_eq!(rebuild.code, 2, "{}", rebuild.all_output());
+    assert!(
+        rebuild.stderr.contains(&format!(
+            "public.events routes keys or tenants to the dedicated topic {}.public.events.dedicated",
+            db.name
+        )),
+        "{}",
+        rebuild.all_output()
+    );
     db.drop_db().await;
 }
