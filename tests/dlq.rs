@@ -1266,20 +1266,8 @@ async fn a_safe_mapping_transforms_what_the_reader_could_not_read_and_without_it
     // requires `region`, which the quarantined records' writer lacks.
     let subject = format!("{}.public.items-value", source_db.name);
     set_compatibility(&stack, &subject, "NONE").await;
-    let http = reqwest::Client::new();
-    let latest: Json = http
-        .get(format!(
-            "{}/subjects/{subject}/versions/latest",
-            stack.registry_url
-        ))
-        .send()
-        .await
-        .expect("registry")
-        .json()
-        .await
-        .expect("json");
     let mut schema: Json =
-        serde_json::from_str(latest["schema"].as_str().expect("schema")).expect("schema json");
+        serde_json::from_str(&support::latest_schema(&stack, &subject).await).expect("schema json");
     for f in schema["fields"].as_array_mut().expect("fields") {
         if f["name"] == "before" {
             let row = f["type"]
@@ -1292,17 +1280,7 @@ async fn a_safe_mapping_transforms_what_the_reader_could_not_read_and_without_it
                 .push(serde_json::json!({"name": "region", "type": "string"}));
         }
     }
-    let r = http
-        .post(format!(
-            "{}/subjects/{subject}/versions",
-            stack.registry_url
-        ))
-        .header("Content-Type", "application/vnd.schemaregistry.v1+json")
-        .body(serde_json::json!({"schema": schema.to_string()}).to_string())
-        .send()
-        .await
-        .expect("register");
-    assert!(r.status().is_success(), "register: {}", r.status());
+    support::register_schema(&stack, &subject, &schema.to_string()).await;
 
     let all = list(&config, &[]).await;
     let [first, second] = ids(&all)[..] else {

@@ -304,34 +304,9 @@ async fn a_hot_key_salted_over_8_shards_spreads_and_the_read_models_still_conver
 
 /// Registers the latest schemas of `from`'s subjects under `to`'s.
 async fn copy_subjects(stack: &Stack, from: &str, to: &str) {
-    let http = reqwest::Client::new();
     for part in ["key", "value"] {
-        let latest: Json = http
-            .get(format!(
-                "{}/subjects/{from}-{part}/versions/latest",
-                stack.registry_url
-            ))
-            .send()
-            .await
-            .expect("registry")
-            .json()
-            .await
-            .expect("json");
-        let r = http
-            .post(format!(
-                "{}/subjects/{to}-{part}/versions",
-                stack.registry_url
-            ))
-            .header("Content-Type", "application/vnd.schemaregistry.v1+json")
-            .body(serde_json::json!({"schema": latest["schema"]}).to_string())
-            .send()
-            .await
-            .expect("register");
-        assert!(
-            r.status().is_success(),
-            "register {to}-{part}: {}",
-            r.status()
-        );
+        let schema = support::latest_schema(stack, &format!("{from}-{part}")).await;
+        support::register_schema(stack, &format!("{to}-{part}"), &schema).await;
     }
 }
 

@@ -558,6 +558,41 @@ impl Record {
     }
 }
 
+/// The schema text of a subject's latest version in the stack's registry.
+pub async fn latest_schema(stack: &Stack, subject: &str) -> String {
+    let latest: serde_json::Value = reqwest::Client::new()
+        .get(format!(
+            "{}/subjects/{subject}/versions/latest",
+            stack.registry_url
+        ))
+        .send()
+        .await
+        .expect("registry")
+        .json()
+        .await
+        .expect("json");
+    latest["schema"].as_str().expect("schema").to_string()
+}
+
+/// Registers `schema` (its text) under `subject`, which must succeed.
+pub async fn register_schema(stack: &Stack, subject: &str, schema: &str) {
+    let r = reqwest::Client::new()
+        .post(format!(
+            "{}/subjects/{subject}/versions",
+            stack.registry_url
+        ))
+        .header("Content-Type", "application/vnd.schemaregistry.v1+json")
+        .body(serde_json::json!({ "schema": schema }).to_string())
+        .send()
+        .await
+        .expect("register");
+    assert!(
+        r.status().is_success(),
+        "register {subject}: {}",
+        r.status()
+    );
+}
+
 /// Reads a topic from the beginning of every partition until `count`
 /// records arrived, or panics after `limit`.
 pub async fn read_topic(
