@@ -367,10 +367,7 @@ async fn source_checks(
     for table in &src.tables {
         check_table(client, table, &role, r).await?;
     }
-    for (table, p) in &config.partitioning {
-        let Some(column) = &p.tenant_column else {
-            continue;
-        };
+    for (table, column) in config.tenant_columns() {
         let name = format!("partitioning.{table}.tenant_column");
         match crate::source::catalog::tenant_column_problem(client, table, column).await? {
             None => r.pass(

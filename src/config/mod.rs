@@ -1551,6 +1551,13 @@ impl Config {
             .collect()
     }
 
+    /// `(table, tenant column)` of every table that names one.
+    pub fn tenant_columns(&self) -> impl Iterator<Item = (&String, &String)> {
+        self.partitioning
+            .iter()
+            .filter_map(|(t, p)| Some((t, p.tenant_column.as_ref()?)))
+    }
+
     /// Dedicated topic → the table's own topic, for every table with one.
     pub fn homes(&self) -> HashMap<String, String> {
         self.changelog_tables()

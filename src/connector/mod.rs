@@ -972,13 +972,9 @@ struct Ready {
 /// before the snapshot, so a mistake stops the connector before it has
 /// produced anything.
 async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunError> {
-    for (table, p) in &config.partitioning {
-        if let Some(column) = &p.tenant_column {
-            if let Some(problem) =
-                source::catalog::tenant_column_problem(sql, table, column).await?
-            {
-                return Err(RunError::Config(problem));
-            }
+    for (table, column) in config.tenant_columns() {
+        if let Some(problem) = source::catalog::tenant_column_problem(sql, table, column).await? {
+            return Err(RunError::Config(problem));
         }
     }
     Ok(())

@@ -1065,7 +1065,8 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         fair.report(&batch, crate::connector::now_ms());
         // A partition a rebalance gave away (its waiting records applied
         // here anyway) is its new owner's to commit: ours could be behind.
-        if let Ok(owned) = consumer.assignment() {
+        let owned = consumer.assignment();
+        if let Ok(owned) = &owned {
             next.retain(|(topic, partition), _| owned.find_partition(topic, *partition).is_some());
         }
         let mut tpl = TopicPartitionList::new();
@@ -1077,7 +1078,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
         }
         dead_letters.batch_done();
-        if let (Ok(mut c), Ok(owned)) = (committed.lock(), consumer.assignment()) {
+        if let (Ok(mut c), Ok(owned)) = (committed.lock(), owned) {
             c.extend(next);
             // Partitions a rebalance gave away are the new owner's to report.
             c.retain(|(topic, partition), _| {

@@ -266,10 +266,7 @@ impl Partitioner {
                 (t.clone(), table)
             })
             .collect();
-        let tenants = config
-            .partitioning
-            .values()
-            .any(|p| p.tenant_column.is_some());
+        let tenants = config.tenant_columns().next().is_some();
         Partitioner {
             hot,
             tables,
