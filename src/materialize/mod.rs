@@ -1411,14 +1411,18 @@ async fn decode_batch(
 ) -> Result<(Vec<(usize, Change)>, Vec<(usize, Failure)>), MaterializeError> {
     let mut dead: Vec<(usize, Failure)> = Vec::new();
     let mut changes: Vec<(usize, Change)> = Vec::new();
-    for (i, m) in batch.iter().enumerate() {
-        // Tombstones only serve compaction; the delete event came first.
-        let Some(value) = m.payload() else { continue };
-        if let Some((id, _)) = unframe(value) {
+    // Every writer's new columns first: a change decoded before a later
+    // one grew the mirror would have fewer cells than the mirror columns.
+    for m in batch {
+        if let Some((id, _)) = m.payload().and_then(unframe) {
             if let Ok(w) = state.writer(id).await {
                 state.evolve(db, m.topic(), &w).await?;
             }
         }
+    }
+    for (i, m) in batch.iter().enumerate() {
+        // Tombstones only serve compaction; the delete event came first.
+        let Some(value) = m.payload() else { continue };
         match state.decode(m.topic(), value).await {
             Ok(c) => changes.push((i, c)),
             Err(f) if f.class == REGISTRY_UNAVAILABLE => {
