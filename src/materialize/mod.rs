@@ -1754,7 +1754,7 @@ async fn apply_in(
                 Some(_) => MaterializeError::Rejected,
                 None => MaterializeError::Postgres(e),
             })?;
-        recompute_views(tx, &state.views, &affected).await?;
+        recompute_views(tx, &state.views, &mut state.statements, &affected).await?;
         return Ok(done);
     }
     let state_holds = state.held.is_some();
@@ -1871,7 +1871,7 @@ async fn apply_in(
             },
         }
     }
-    recompute_views(tx, views, &affected).await?;
+    recompute_views(tx, views, statements, &affected).await?;
     Ok(done)
 }
 
@@ -1879,22 +1879,29 @@ async fn apply_in(
 async fn recompute_views(
     tx: &tokio_postgres::Transaction<'_>,
     views: &[View],
+    statements: &mut Statements,
     affected: &[BTreeSet<String>],
 ) -> Result<(), MaterializeError> {
     for (view, keys) in views.iter().zip(affected) {
-        view.recompute(tx, keys).await.map_err(|e| match e {
-            view::ViewError::Db(e) => match is_data_error(&e) {
-                Some(class) => MaterializeError::ViewRejected {
-                    class,
-                    error: format!("{}: {}", view.name, crate::source::error_text(&e)),
+        view.recompute(tx, statements, keys)
+            .await
+            .map_err(|e| match e {
+                view::ViewError::Db(e) => match is_data_error(&e) {
+                    Some(class) => MaterializeError::ViewRejected {
+                        class,
+                        error: format!("{}: {}", view.name, crate::source::error_text(&e)),
+                    },
+                    None => MaterializeError::Postgres(e),
                 },
-                None => MaterializeError::Postgres(e),
-            },
-            view::ViewError::Key(error) => MaterializeError::ViewRejected {
-                class: "unsupported_value",
-                error,
-            },
-        })?;
+                view::ViewError::Key(error) => MaterializeError::ViewRejected {
+                    class: "unsupported_value",
+                    error,
+                },
+                view::ViewError::Duplicate(error) => MaterializeError::ViewRejected {
+                    class: crate::dlq::Class::ConstraintViolation.as_str(),
+                    error,
+                },
+            })?;
     }
     Ok(())
 }

@@ -863,16 +863,21 @@ async fn swap(
 
     let all: Vec<&Mirror> = live.values().collect();
     let mut read_models = BTreeMap::new();
+    let mut statements = super::mirror::Statements::default();
     for v in over {
         tx.batch_execute(&format!("TRUNCATE {}", v.qualified))
             .await?;
         let keys: Vec<String> = v.every_key(&tx, &all).await?.into_iter().collect();
         for chunk in keys.chunks(RECOMPUTE_KEYS) {
             let chunk: BTreeSet<String> = chunk.iter().cloned().collect();
-            v.recompute(&tx, &chunk).await.map_err(|e| match e {
-                super::view::ViewError::Db(e) => MaterializeError::Postgres(e),
-                super::view::ViewError::Key(k) => MaterializeError::Config(k),
-            })?;
+            v.recompute(&tx, &mut statements, &chunk)
+                .await
+                .map_err(|e| match e {
+                    super::view::ViewError::Db(e) => MaterializeError::Postgres(e),
+                    super::view::ViewError::Key(k) | super::view::ViewError::Duplicate(k) => {
+                        MaterializeError::Config(k)
+                    }
+                })?;
         }
         let rows: i64 = tx
             .query_one(&format!("SELECT count(*) FROM {}", v.qualified), &[])

@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::GenericClient;
 
@@ -24,6 +25,77 @@ pub enum ViewError {
     Db(#[from] tokio_postgres::Error),
     #[error("{0}")]
     Key(String),
+    /// The query returned two rows for one view key.
+    #[error("{0}")]
+    Duplicate(String),
+}
+
+/// The recompute of a view as one statement: the query's rows upserted
+/// by the view's key, a row written only where it differs from the stored
+/// one, and the affected keys the query no longer returns deleted. Against
+/// deleting and reinserting every affected row, an unchanged row costs no
+/// write, and a changed one is updated in place (a HOT update when no
+/// indexed column changed) instead of a dead row and new index entries.
+///
+/// `None` when the statement does not prepare: a column type without an
+/// equality operator (`json`, `point`), a table whose columns do not match
+/// the query's, a query that does not fit in a `WITH`.
+async fn diff_statement(
+    client: &tokio_postgres::Client,
+    qualified: &str,
+    key: &str,
+    query: &str,
+) -> Option<String> {
+    let columns: Vec<String> = client
+        .query(
+            "SELECT attname::text FROM pg_attribute
+             WHERE attrelid = $1::text::regclass AND attnum > 0 AND NOT attisdropped
+             ORDER BY attnum",
+            &[&qualified],
+        )
+        .await
+        .ok()?
+        .iter()
+        .map(|r| quote_ident(&r.get::<_, String>(0)))
+        .collect();
+    let key = quote_ident(key);
+    let rest: Vec<&String> = columns.iter().filter(|c| **c != key).collect();
+    let on_conflict = if rest.is_empty() {
+        "DO NOTHING".to_string()
+    } else {
+        format!(
+            "DO UPDATE SET {} WHERE ({}) IS DISTINCT FROM ({})",
+            rest.iter()
+                .map(|c| format!("{c} = EXCLUDED.{c}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            rest.iter()
+                .map(|c| format!("v.{c}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            rest.iter()
+                .map(|c| format!("EXCLUDED.{c}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        )
+    };
+    let cols = columns.join(", ");
+    // A newline before the closing parenthesis: the query may end in a
+    // line comment.
+    let sql = format!(
+        "WITH fresh ({cols}) AS ({query}\n),
+         gone AS (DELETE FROM {qualified} v WHERE v.{key} = ANY($1)
+                  AND NOT EXISTS (SELECT 1 FROM fresh f WHERE f.{key} = v.{key}))
+         INSERT INTO {qualified} AS v ({cols}) SELECT {cols} FROM fresh
+         ON CONFLICT ({key}) {on_conflict}"
+    );
+    match client.prepare(&sql).await {
+        Ok(_) => Some(sql),
+        Err(e) => {
+            tracing::debug!(error = %crate::source::error_text(&e), "no one-statement recompute");
+            None
+        }
+    }
 }
 
 /// How a changed source row maps to view keys.
@@ -45,6 +117,10 @@ pub struct View {
     /// The type of the query's `$1` (an array of keys).
     param: Type,
     delete_param: Type,
+    /// The recompute as one statement that writes only what changed (see
+    /// [`diff_statement`]); `None` where the target cannot take it, and the
+    /// recompute deletes and reinserts every affected row instead.
+    diff: Option<String>,
     /// Source table (`schema.table`) → mapping.
     pub sources: Vec<(String, Mapping)>,
 }
@@ -172,6 +248,10 @@ impl View {
             .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?
             .params()[0]
             .clone();
+        let diff = diff_statement(client, &qualified, &key, &rm.query).await;
+        if diff.is_none() {
+            tracing::info!(read_model = %name, "the read model is recomputed by delete and insert (its columns cannot be compared, or its query does not fit one statement)");
+        }
         let mut sources = Vec::new();
         for (i, s) in rm.sources.iter().enumerate() {
             let mapping = match (&s.key_columns, &s.affected_keys) {
@@ -206,6 +286,7 @@ impl View {
             query: rm.query.clone(),
             param,
             delete_param,
+            diff,
             sources,
         })
     }
@@ -389,6 +470,7 @@ impl View {
     pub async fn recompute(
         &self,
         client: &impl GenericClient,
+        statements: &mut Statements,
         keys: &BTreeSet<String>,
     ) -> Result<(), ViewError> {
         if keys.is_empty() {
@@ -396,23 +478,39 @@ impl View {
         }
         let keys: Vec<String> = keys.iter().cloned().collect();
         let key_error = |e: String| ViewError::Key(format!("read model {}: {e}", self.name));
+        if let Some(diff) = &self.diff {
+            let ins = bind_many(&self.param, &keys).map_err(key_error)?;
+            let sql = statements.prepare(client, diff).await?;
+            return match client
+                .execute(&sql, &[ins.as_ref() as &(dyn ToSql + Sync)])
+                .await
+            {
+                // Two rows of the query for one key: the delete-and-insert
+                // path refuses them as a duplicate key, and so does this.
+                Err(e) if e.code() == Some(&SqlState::CARDINALITY_VIOLATION) => {
+                    Err(ViewError::Duplicate(format!(
+                        "read model {}: the query returns more than one row for a key",
+                        self.name
+                    )))
+                }
+                other => other.map(|_| ()).map_err(ViewError::Db),
+            };
+        }
         let del = bind_many(&self.delete_param, &keys).map_err(key_error)?;
+        let sql = format!(
+            "DELETE FROM {} WHERE {} = ANY($1)",
+            self.qualified,
+            quote_ident(&self.key)
+        );
+        let sql = statements.prepare(client, &sql).await?;
         client
-            .execute(
-                &format!(
-                    "DELETE FROM {} WHERE {} = ANY($1)",
-                    self.qualified,
-                    quote_ident(&self.key)
-                ),
-                &[del.as_ref() as &(dyn ToSql + Sync)],
-            )
+            .execute(&sql, &[del.as_ref() as &(dyn ToSql + Sync)])
             .await?;
         let ins = bind_many(&self.param, &keys).map_err(key_error)?;
+        let sql = format!("INSERT INTO {} {}", self.qualified, self.query);
+        let sql = statements.prepare(client, &sql).await?;
         client
-            .execute(
-                &format!("INSERT INTO {} {}", self.qualified, self.query),
-                &[ins.as_ref() as &(dyn ToSql + Sync)],
-            )
+            .execute(&sql, &[ins.as_ref() as &(dyn ToSql + Sync)])
             .await?;
         Ok(())
     }
