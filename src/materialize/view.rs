@@ -60,23 +60,16 @@ async fn diff_statement(
         .collect();
     let key = quote_ident(key);
     let rest: Vec<&String> = columns.iter().filter(|c| **c != key).collect();
+    let list =
+        |item: fn(&str) -> String| rest.iter().map(|c| item(c)).collect::<Vec<_>>().join(", ");
     let on_conflict = if rest.is_empty() {
         "DO NOTHING".to_string()
     } else {
         format!(
             "DO UPDATE SET {} WHERE ({}) IS DISTINCT FROM ({})",
-            rest.iter()
-                .map(|c| format!("{c} = EXCLUDED.{c}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            rest.iter()
-                .map(|c| format!("v.{c}"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            rest.iter()
-                .map(|c| format!("EXCLUDED.{c}"))
-                .collect::<Vec<_>>()
-                .join(", "),
+            list(|c| format!("{c} = EXCLUDED.{c}")),
+            list(|c| format!("v.{c}")),
+            list(|c| format!("EXCLUDED.{c}")),
         )
     };
     let cols = columns.join(", ");
