@@ -1150,22 +1150,23 @@ async fn a_recompute_leaves_unchanged_view_rows_unwritten() {
         )
         .await
         .expect("update");
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let doc: Option<String> = target
-            .query_opt(
-                "SELECT doc->>'status' FROM read_models.order_doc WHERE order_id = $1",
-                &[&order],
-            )
-            .await
-            .expect("order_doc")
-            .and_then(|r| r.get(0));
-        if doc.as_deref() == Some("diffed") {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "order_doc: {doc:?}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    support::wait_for(
+        "read_models.order_doc to show the new status",
+        Duration::from_secs(120),
+        async || {
+            target
+                .query_opt(
+                    "SELECT doc->>'status' FROM read_models.order_doc WHERE order_id = $1",
+                    &[&order],
+                )
+                .await
+                .expect("order_doc")
+                .and_then(|r| r.get::<_, Option<String>>(0))
+                .as_deref()
+                == Some("diffed")
+        },
+    )
+    .await;
     wait_converged(&source, &target).await;
     assert_ne!(
         version(SUMMARY, order).await,
