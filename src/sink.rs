@@ -132,43 +132,12 @@ impl Producer {
         Self::create_lingering(kafka, transactional_id, STREAM_LINGER_MS).await
     }
 
-    /// The idempotent producer for bulk copies (the initial snapshot),
-    /// never transactional: it waits [`BULK_LINGER_MS`] to fill batches
-    /// unless the user set `linger.ms`.
-    pub async fn create_bulk(kafka: &KafkaConfig) -> Result<Producer, KafkaError> {
-        Self::create_lingering(kafka, None, BULK_LINGER_MS).await
-    }
-
     async fn create_lingering(
         kafka: &KafkaConfig,
         transactional_id: Option<&str>,
         linger_ms: &str,
     ) -> Result<Producer, KafkaError> {
-        let mut cc = client_config(kafka);
-        cc.set("enable.idempotence", "true")
-            .set("acks", "all")
-            // Java's partitioner: murmur2 of the key bytes; random for null keys.
-            .set("partitioner", "murmur2_random");
-        if !kafka.properties.0.contains_key("linger.ms") {
-            cc.set("linger.ms", linger_ms);
-        }
-        // Room for a record of max_message_bytes and its headers; larger
-        // ones are quarantined before they reach librdkafka.
-        if !kafka.properties.0.contains_key("message.max.bytes") {
-            cc.set(
-                "message.max.bytes",
-                (kafka.max_message_bytes + 64 * 1024).to_string(),
-            );
-        }
-        // librdkafka would buffer up to 1 GiB by default; beyond this bound
-        // sends wait, which slows reading from the slot instead.
-        if !kafka
-            .properties
-            .0
-            .contains_key("queue.buffering.max.kbytes")
-        {
-            cc.set("queue.buffering.max.kbytes", DEFAULT_QUEUE_KBYTES);
-        }
+        let mut cc = producer_config(kafka, linger_ms);
         let Some(id) = transactional_id else {
             return Ok(Producer {
                 inner: cc.create_with_context(Deliveries)?,
@@ -644,6 +613,136 @@ enum Ticket {
 }
 
 /// The producer's context: routes each delivery report to its ticket.
+/// The idempotent producer's settings: `acks=all`, Java's partitioner,
+/// `linger_ms` unless the user set `linger.ms`, and bounds on message size
+/// and buffering.
+fn producer_config(kafka: &KafkaConfig, linger_ms: &str) -> ClientConfig {
+    let mut cc = client_config(kafka);
+    cc.set("enable.idempotence", "true")
+        .set("acks", "all")
+        // Java's partitioner: murmur2 of the key bytes; random for null keys.
+        .set("partitioner", "murmur2_random");
+    if !kafka.properties.0.contains_key("linger.ms") {
+        cc.set("linger.ms", linger_ms);
+    }
+    // Room for a record of max_message_bytes and its headers; larger
+    // ones are quarantined before they reach librdkafka.
+    if !kafka.properties.0.contains_key("message.max.bytes") {
+        cc.set(
+            "message.max.bytes",
+            (kafka.max_message_bytes + 64 * 1024).to_string(),
+        );
+    }
+    // librdkafka would buffer up to 1 GiB by default; beyond this bound
+    // sends wait, which slows reading from the slot instead.
+    if !kafka
+        .properties
+        .0
+        .contains_key("queue.buffering.max.kbytes")
+    {
+        cc.set("queue.buffering.max.kbytes", DEFAULT_QUEUE_KBYTES);
+    }
+    cc
+}
+
+/// The producer of bulk copies (the initial snapshot when not exactly
+/// once): idempotent, never transactional, [`BULK_LINGER_MS`] unless the
+/// user set `linger.ms`, and untracked. librdkafka reports failed
+/// deliveries only, so a message costs no ticket, no delivery report and
+/// no window update; [`BulkProducer::flush`] waits until every message sent
+/// is acknowledged, and fails if any delivery failed. The caller releases
+/// positions only after it returned.
+#[derive(Clone)]
+pub struct BulkProducer {
+    inner: ThreadedProducer<BulkDeliveries>,
+    failed: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for BulkProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BulkProducer").finish_non_exhaustive()
+    }
+}
+
+/// Keeps the first failed delivery of a [`BulkProducer`] (librdkafka's
+/// polling thread).
+struct BulkDeliveries(Arc<Mutex<Option<String>>>);
+
+impl ClientContext for BulkDeliveries {}
+
+impl ProducerContext for BulkDeliveries {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        if let Err((e, _)) = result {
+            metrics::counter!(crate::observe::KAFKA_DELIVERY_ERRORS).increment(1);
+            let mut failed = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            failed.get_or_insert_with(|| format!("Kafka delivery failed: {e}"));
+        }
+    }
+}
+
+impl BulkProducer {
+    pub fn create(kafka: &KafkaConfig) -> Result<BulkProducer, KafkaError> {
+        let mut cc = producer_config(kafka, BULK_LINGER_MS);
+        cc.set("delivery.report.only.error", "true");
+        let failed = Arc::new(Mutex::new(None));
+        Ok(BulkProducer {
+            inner: cc.create_with_context(BulkDeliveries(failed.clone()))?,
+            failed,
+        })
+    }
+
+    fn failure(&self) -> Option<String> {
+        self.failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Enqueues a record, waiting while librdkafka's queue is full; fails
+    /// once any earlier delivery failed.
+    pub async fn send(
+        &self,
+        topic: &str,
+        partition: Option<i32>,
+        key: Option<&[u8]>,
+        payload: Option<&[u8]>,
+        headers: Option<OwnedHeaders>,
+    ) -> Result<(), SendError> {
+        if let Some(e) = self.failure() {
+            return Err(SendError::Delivery(e));
+        }
+        let mut record: BaseRecord<'_, [u8], [u8], ()> = BaseRecord::to(topic);
+        record.partition = partition;
+        record.key = key;
+        record.payload = payload;
+        record.headers = headers;
+        loop {
+            match self.inner.send(record) {
+                Ok(()) => return Ok(()),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err((e, _)) => return Err(SendError::Kafka(e)),
+            }
+        }
+    }
+
+    /// Waits until every message sent is acknowledged (or has failed), then
+    /// fails if any delivery failed.
+    pub async fn flush(&self) -> Result<(), SendError> {
+        let p = self.inner.clone();
+        // Each message ends within message.timeout.ms, delivered or failed.
+        blocking(move || p.flush(rdkafka::util::Timeout::Never)).await?;
+        match self.failure() {
+            Some(e) => Err(SendError::Delivery(e)),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Runs on librdkafka's polling thread.
 struct Deliveries;
 

@@ -688,6 +688,89 @@ async fn an_interrupted_snapshot_is_taken_again_and_never_skipped() {
     db.drop_db().await;
 }
 
+/// The snapshot's rows go through an untracked producer (failed
+/// deliveries reported only) and a flush: a broker outage that makes rows
+/// time out in librdkafka must fail the snapshot, never complete it short.
+#[tokio::test]
+async fn a_broker_outage_mid_snapshot_fails_it_and_the_retaken_snapshot_loses_no_row() {
+    const ROWS: i64 = 400_000;
+    let stack = support::stack();
+    let mut broker = support::PrivateBroker::start_persistent(&stack);
+    let db = TestDb::create(&stack, "run_snapout").await;
+    let client = db.client().await;
+    big_table(&client, ROWS).await;
+    let private = support::Stack {
+        brokers: broker.address.clone(),
+        ..stack.clone()
+    };
+    let toml = support::pipeline_toml(&private, &db.url, &db.name, &["public.big"]).replace(
+        "[kafka]",
+        "[source.snapshot]\nchunk_rows = 50000\nworkers = 2\n[kafka]",
+    );
+    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    // Rows left undelivered for 2 s fail instead of waiting five minutes.
+    let impatient = ConfigFile::write(&toml.replace(
+        "[registry]",
+        "[kafka.properties]\n\"message.timeout.ms\" = \"2000\"\n[registry]",
+    ));
+    let config = ConfigFile::write(&toml);
+    let topic = format!("{}.public.big", db.name);
+    let markers = pgcdc::snapshot_marker::topic(&parsed);
+
+    let connector = ConnectorProcess::start(&impatient);
+    broker.read_topic(&stack, &topic, 1000).await;
+    broker.stop();
+    // Past message.timeout.ms: what librdkafka held has failed by now.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert!(
+        connector.log().contains("Kafka delivery failed"),
+        "the outage must land mid-snapshot for this test to mean anything:\n{}",
+        connector.log()
+    );
+    // It retries by itself; the slow SQLite broker would time rows out
+    // again at 2 s, so the snapshot is retaken by a patient connector.
+    connector.terminate().await;
+    broker.start_again();
+    let connector = ConnectorProcess::start(&config);
+    let total = ROWS as usize;
+    let records = support::read_topic_at(
+        &broker.address,
+        &topic,
+        Duration::from_secs(300),
+        move |records| {
+            records
+                .iter()
+                .filter_map(|r| r.key.as_deref())
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                >= total
+        },
+    )
+    .await;
+    assert!(records.len() >= total);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let completed = loop {
+        let m = pgcdc::snapshot_marker::latest(&parsed.kafka, &markers, &db.name)
+            .await
+            .expect("marker");
+        if let Some(m) = m.filter(|m| m.phase == pgcdc::snapshot_marker::Phase::Completed) {
+            break m;
+        }
+        assert!(std::time::Instant::now() < deadline, "no completed marker");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(completed.rows.get("public.big"), Some(&(ROWS as u64)));
+    let start: i64 = completed.start_offsets[&topic].values().sum();
+    let end: i64 = completed.end_offsets[&topic].values().sum();
+    assert_eq!(
+        end - start,
+        ROWS,
+        "the completed marker brackets a whole snapshot taken after the outage"
+    );
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() {
     const ROWS: usize = 50_000;

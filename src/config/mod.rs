@@ -691,6 +691,8 @@ pub const MANAGED_KAFKA_PROPERTIES: &[&str] = &[
     "enable.auto.offset.store",
     "transactional.id",
     "isolation.level",
+    // Acknowledgements are counted from delivery reports of every message.
+    "delivery.report.only.error",
 ];
 
 /// The Confluent-compatible schema registry (`pgcdc registry`, or
@@ -2216,6 +2218,11 @@ url = "http://127.0.0.1:8081"
                 "a managed property",
                 append("[kafka.properties]\n\"acks\" = \"1\"\n"),
                 "kafka.properties.\"acks\"",
+            ),
+            (
+                "error-only delivery reports",
+                append("[kafka.properties]\n\"delivery.report.only.error\" = \"true\"\n"),
+                "kafka.properties.\"delivery.report.only.error\"",
             ),
             (
                 "snapshot without workers",

@@ -179,6 +179,9 @@ struct Output {
     partitioning: Arc<Partitioner>,
     /// Partition counts of the salting tables' topics, read at start-up.
     partitions: Arc<BTreeMap<String, i32>>,
+    /// The initial snapshot's rows go here, untracked, when not exactly
+    /// once; [`run_snapshot`] flushes it before releasing any position.
+    bulk: Option<sink::BulkProducer>,
 }
 
 impl Output {
@@ -370,16 +373,30 @@ impl Output {
                 }));
             }
         }
-        self.acks
-            .send_to(
-                &self.producer,
-                topic,
-                placement.partition,
-                key.as_deref(),
-                Some(&value),
-                headers,
-            )
-            .await?;
+        match &self.bulk {
+            Some(bulk) => {
+                bulk.send(
+                    topic,
+                    placement.partition,
+                    key.as_deref(),
+                    Some(&value),
+                    headers,
+                )
+                .await?
+            }
+            None => {
+                self.acks
+                    .send_to(
+                        &self.producer,
+                        topic,
+                        placement.partition,
+                        key.as_deref(),
+                        Some(&value),
+                        headers,
+                    )
+                    .await?
+            }
+        }
         if op == Op::Delete && key.is_some() {
             if placement.tombstones.is_empty() {
                 self.acks
@@ -1088,6 +1105,7 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
         domain_topics: Default::default(),
         partitioning,
         partitions: Arc::new(partitions),
+        bulk: None,
     };
 
     let mut repl = ReplicationClient::connect_gated(replication_config(&config)?).await?;
@@ -1446,14 +1464,15 @@ async fn run_snapshot(
         plans.push(plan_table(output, snapshot_name, table).await?);
     }
     let progress = Progress::new(&plans);
-    // At least once, the rows go through a producer of their own that
-    // fills larger batches; exactly once, they must share the Kafka
-    // transaction of the marker and the offset record.
+    // At least once, the rows go through an untracked producer of their
+    // own that fills larger batches and is flushed below; exactly once,
+    // they must share the Kafka transaction of the marker and the offset
+    // record.
     let bulk = if output.producer.is_transactional() {
         output.clone()
     } else {
         Output {
-            producer: sink::Producer::create_bulk(&config.kafka).await?,
+            bulk: Some(sink::BulkProducer::create(&config.kafka)?),
             ..output.clone()
         }
     };
@@ -1515,7 +1534,11 @@ async fn run_snapshot(
         })?;
         codecs.insert(plan.oid, codec);
     }
-    // Streaming starts only after Kafka holds the whole snapshot.
+    // Streaming starts only after Kafka holds the whole snapshot: every
+    // row (the flush) and every tracked message (the release below).
+    if let Some(bulk) = &output.bulk {
+        bulk.flush().await?;
+    }
     output
         .acks
         .release(consistent_point.0)

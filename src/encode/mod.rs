@@ -388,6 +388,9 @@ impl TableCodec {
                 column: c.name.clone(),
                 source,
             };
+            if types::write_direct(out, k, l, *v) {
+                continue;
+            }
             let val = convert(k, l, *v).map_err(column)?;
             datum::value(out, &val).map_err(EncodeError::Avro)?;
         }

@@ -17,6 +17,8 @@
 use apache_avro::types::Value;
 use serde_json::{json, Value as Json};
 
+use super::datum;
+
 /// Session settings under which the text formats below are produced.
 pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     ("DateStyle", "ISO"),
@@ -415,6 +417,102 @@ pub fn convert(kind: &Kind, layout: &Layout, input: Input<'_>) -> Result<Value, 
     }
 }
 
+/// Writes a column's Avro bytes straight from its text, without building
+/// a [`Value`], for the kinds the hot path meets most; returns false
+/// (having written nothing) for anything else, which the caller then
+/// takes through [`convert`]. Whatever it writes is byte for byte what
+/// [`convert`] and [`datum::value`] write (tests compare the two).
+pub fn write_direct(out: &mut Vec<u8>, kind: &Kind, layout: &Layout, input: Input<'_>) -> bool {
+    let bytes = match input {
+        Input::Null if layout.nullable => {
+            datum::branch(out, 0);
+            return true;
+        }
+        Input::Text(bytes) => bytes,
+        _ => return false,
+    };
+    let Ok(text) = std::str::from_utf8(bytes) else {
+        return false;
+    };
+    if kind.has_specials() && is_special(kind, text) {
+        return false;
+    }
+    let mark = out.len();
+    if layout.is_union() {
+        datum::branch(out, layout.value_index());
+    }
+    let written = (|| {
+        match kind {
+            Kind::Bool => out.push(match text {
+                "t" => 1,
+                "f" => 0,
+                _ => return None,
+            }),
+            Kind::Int16 => datum::long(out, text.parse::<i16>().ok()?.into()),
+            Kind::Int32 => datum::long(out, text.parse::<i32>().ok()?.into()),
+            Kind::Int64 => datum::long(out, text.parse::<i64>().ok()?),
+            Kind::Float32 => out.extend_from_slice(&text.parse::<f32>().ok()?.to_le_bytes()),
+            Kind::Float64 => out.extend_from_slice(&text.parse::<f64>().ok()?.to_le_bytes()),
+            Kind::Decimal { scale, .. } => {
+                let n = decimal_i128(text, *scale)?;
+                datum::bytes(out, minimal_be(&n.to_be_bytes()));
+            }
+            Kind::Text
+            | Kind::Json
+            | Kind::Xml
+            | Kind::Interval
+            | Kind::Enum(_)
+            | Kind::Other(_) => datum::string(out, text),
+            Kind::Date => datum::long(out, i32::try_from(parse_date(text)?).ok()?.into()),
+            Kind::Time => datum::long(out, parse_time(text)?),
+            Kind::Timestamp => datum::long(out, parse_timestamp(text, false)?),
+            Kind::TimestampTz => datum::long(out, parse_timestamp(text, true)?),
+            _ => return None,
+        }
+        Some(())
+    })();
+    if written.is_none() {
+        out.truncate(mark);
+    }
+    written.is_some()
+}
+
+/// A decimal's unscaled value at `scale` (`12.5` at scale 2 is 1250), when
+/// it fits an i128; `None` otherwise, as for text [`parse`] refuses.
+fn decimal_i128(text: &str, scale: u32) -> Option<i128> {
+    let (neg, body) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (int, frac) = body.split_once('.').unwrap_or((body, ""));
+    if int.is_empty() || frac.len() > scale as usize {
+        return None;
+    }
+    let mut n: i128 = 0;
+    for d in int.bytes().chain(frac.bytes()) {
+        if !d.is_ascii_digit() {
+            return None;
+        }
+        n = n.checked_mul(10)?.checked_add(i128::from(d - b'0'))?;
+    }
+    for _ in frac.len()..scale as usize {
+        n = n.checked_mul(10)?;
+    }
+    Some(if neg { -n } else { n })
+}
+
+/// Big-endian two's complement without redundant sign-extension bytes,
+/// as [`twos_complement`] gives it.
+fn minimal_be(b: &[u8]) -> &[u8] {
+    let mut i = 0;
+    while i + 1 < b.len()
+        && ((b[i] == 0 && b[i + 1] & 0x80 == 0) || (b[i] == 0xFF && b[i + 1] & 0x80 != 0))
+    {
+        i += 1;
+    }
+    &b[i..]
+}
+
 /// Values the logical type cannot carry for every reader: numeric
 /// specials, infinities, and dates outside years 1 to 9999, which Avro's
 /// `date` and timestamps can encode but common readers (Python's datetime
@@ -636,10 +734,14 @@ pub(crate) fn civil_from_days(z: i64) -> (i64, i64, i64) {
 
 /// `YYYY-MM-DD[ BC]`.
 fn parse_date(text: &str) -> Option<i64> {
-    let (body, bc) = match text.strip_suffix(" BC") {
-        Some(b) => (b, true),
-        None => (text, false),
-    };
+    match text.strip_suffix(" BC") {
+        Some(b) => parse_civil_date(b, true),
+        None => parse_civil_date(text, false),
+    }
+}
+
+/// `YYYY-MM-DD` (of year `YYYY` BC when `bc`) → days since the epoch.
+fn parse_civil_date(body: &str, bc: bool) -> Option<i64> {
     let mut parts = body.splitn(3, '-');
     let y: i64 = parts.next()?.parse().ok()?;
     let m: i64 = parts.next()?.parse().ok()?;
@@ -663,11 +765,12 @@ fn parse_time(text: &str) -> Option<i64> {
     if frac.len() > 6 || !frac.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    let micros: i64 = if frac.is_empty() {
-        0
-    } else {
-        format!("{frac:0<6}").parse().ok()?
-    };
+    // The digits given, padded with zeros to six (checked above).
+    let micros = frac
+        .bytes()
+        .chain(std::iter::repeat(b'0'))
+        .take(6)
+        .fold(0i64, |n, d| n * 10 + i64::from(d - b'0'));
     if h > 24 || m > 59 || s > 60 {
         return None;
     }
@@ -694,15 +797,226 @@ fn parse_timestamp(text: &str, with_zone: bool) -> Option<i64> {
     } else {
         (rest, 0)
     };
-    let days = parse_date(&if bc {
-        format!("{date} BC")
-    } else {
-        date.to_string()
-    })?;
+    let days = parse_civil_date(date, bc)?;
     let micros = parse_time(time)?;
     days.checked_mul(86_400_000_000)?
         .checked_add(micros)?
         .checked_sub(offset_secs * 1_000_000)
+}
+
+/// The direct writer against the `Value` path, on valid and invalid text.
+#[cfg(test)]
+mod direct {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn kinds() -> Vec<Kind> {
+        vec![
+            Kind::Bool,
+            Kind::Int16,
+            Kind::Int32,
+            Kind::Int64,
+            Kind::Float32,
+            Kind::Float64,
+            Kind::Decimal {
+                precision: 12,
+                scale: 2,
+            },
+            Kind::Decimal {
+                precision: 38,
+                scale: 0,
+            },
+            Kind::Decimal {
+                precision: 60,
+                scale: 20,
+            },
+            Kind::Text,
+            Kind::Json,
+            Kind::Enum(vec!["happy".into()]),
+            Kind::Date,
+            Kind::Time,
+            Kind::Timestamp,
+            Kind::TimestampTz,
+            Kind::Uuid,
+            Kind::Money,
+        ]
+    }
+
+    fn layouts() -> Vec<Layout> {
+        (0..8)
+            .map(|b| Layout {
+                nullable: b & 1 != 0,
+                specials: b & 2 != 0,
+                unchanged: b & 4 != 0,
+            })
+            .collect()
+    }
+
+    /// What the `Value` path writes, or `None` where it refuses.
+    fn through_value(kind: &Kind, layout: &Layout, input: Input<'_>) -> Option<Vec<u8>> {
+        let v = convert(kind, layout, input).ok()?;
+        let mut out = Vec::new();
+        datum::value(&mut out, &v).ok()?;
+        Some(out)
+    }
+
+    /// Writes through the direct path, checks it against the `Value` path,
+    /// and tells whether the direct path took it.
+    fn check(kind: &Kind, layout: &Layout, input: Input<'_>) -> bool {
+        let mut out = vec![0xAA];
+        let took = write_direct(&mut out, kind, layout, input);
+        if took {
+            let want = through_value(kind, layout, input);
+            assert_eq!(
+                Some(&out[1..]),
+                want.as_deref(),
+                "{kind:?} {layout:?} {input:?}"
+            );
+        } else {
+            assert_eq!(out, [0xAA], "{kind:?} {input:?}: refused but wrote");
+        }
+        took
+    }
+
+    fn text() -> impl Strategy<Value = String> {
+        let chars = proptest::collection::vec(
+            proptest::sample::select(vec![
+                '0', '1', '5', '9', '-', '+', '.', ':', ' ', 'B', 'C', 't', 'f', 'e', 'N', 'a',
+                'I', 'n', 'x', '$', ',',
+            ]),
+            0..28,
+        )
+        .prop_map(|c| c.into_iter().collect::<String>());
+        let decimal = (any::<i64>(), 0u32..40, any::<u64>(), any::<bool>()).prop_map(
+            |(int, places, frac, neg)| {
+                let frac = format!("{frac:020}");
+                let frac = &frac[..(places as usize).min(20)];
+                let sign = if neg && int >= 0 { "-" } else { "" };
+                if frac.is_empty() {
+                    format!("{sign}{int}")
+                } else {
+                    format!("{sign}{int}.{frac}")
+                }
+            },
+        );
+        let wide = (any::<u128>(), 0usize..4).prop_map(|(n, z)| format!("{n}{}", "0".repeat(z)));
+        let when = (
+            -4800i64..12000,
+            0u32..14,
+            0u32..33,
+            0u32..26,
+            0u32..61,
+            0u32..62,
+            0u32..1_000_000,
+            -15i32..16,
+            0u32..3,
+        )
+            .prop_map(|(y, mo, d, h, mi, s, us, zone, form)| {
+                let date = if y <= 0 {
+                    format!("{:04}-{mo:02}-{d:02} BC", 1 - y)
+                } else {
+                    format!("{y:04}-{mo:02}-{d:02}")
+                };
+                let time = match form {
+                    0 => format!("{h:02}:{mi:02}:{s:02}"),
+                    1 => format!("{h:02}:{mi:02}:{s:02}.{:06}", us),
+                    _ => format!("{h:02}:{mi:02}:{s:02}.{}", us % 1000),
+                };
+                let zone = format!("{zone:+03}");
+                match (form, date.strip_suffix(" BC")) {
+                    (0, _) => date,
+                    (1, None) => format!("{date} {time}{zone}"),
+                    (1, Some(d)) => format!("{d} {time}{zone} BC"),
+                    (_, None) => format!("{date} {time}"),
+                    (_, Some(_)) => time,
+                }
+            });
+        prop_oneof![
+            chars,
+            decimal,
+            wide,
+            when,
+            any::<i64>().prop_map(|n| n.to_string()),
+            any::<f64>().prop_map(|f| f.to_string()),
+            Just("t".to_string()),
+            Just("f".to_string()),
+            Just("NaN".to_string()),
+            Just("-Infinity".to_string()),
+            Just("infinity".to_string()),
+            Just("24:00:00".to_string()),
+            Just("-0.00".to_string()),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3_000))]
+
+        #[test]
+        fn writes_what_the_value_path_writes_or_nothing(text in text()) {
+            for kind in kinds() {
+                for layout in layouts() {
+                    check(&kind, &layout, Input::Text(text.as_bytes()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn takes_the_common_values_of_each_kind_and_leaves_the_rest() {
+        let layout = Layout {
+            nullable: true,
+            specials: true,
+            unchanged: true,
+        };
+        let decimal = |scale| Kind::Decimal {
+            precision: 38,
+            scale,
+        };
+        for (kind, text) in [
+            (Kind::Bool, "t"),
+            (Kind::Int16, "-32768"),
+            (Kind::Int32, "2147483647"),
+            (Kind::Int64, "-9223372036854775808"),
+            (Kind::Float32, "1.5"),
+            (Kind::Float64, "-2.25e-7"),
+            (decimal(2), "12.5"),
+            (decimal(2), "-0.01"),
+            (decimal(0), "99999999999999999999999999999999999999"),
+            (Kind::Text, "héllo"),
+            (Kind::Date, "2024-02-29"),
+            (Kind::Time, "23:59:59.5"),
+            (Kind::Timestamp, "2024-02-29 12:00:00.000001"),
+            (Kind::TimestampTz, "2024-02-29 12:00:00.25+05:30"),
+        ] {
+            assert!(
+                check(&kind, &layout, Input::Text(text.as_bytes())),
+                "{kind:?} {text}"
+            );
+        }
+        assert!(check(&Kind::Int64, &layout, Input::Null));
+        // Left to the `Value` path: specials (BC dates among them), out-of-range values, values
+        // over 128 bits, the unchanged marker, and kinds it does not cover.
+        for (kind, input) in [
+            (decimal(2), Input::Text(b"NaN")),
+            (Kind::Date, Input::Text(b"infinity")),
+            (Kind::Date, Input::Text(b"0044-03-15 BC")),
+            (Kind::Int16, Input::Text(b"32768")),
+            (decimal(2), Input::Text(b"1.234")),
+            (
+                decimal(0),
+                Input::Text(b"999999999999999999999999999999999999999999"),
+            ),
+            (Kind::Int64, Input::Unchanged),
+            (
+                Kind::Uuid,
+                Input::Text(b"a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"),
+            ),
+            (Kind::Text, Input::Text(b"\xff\xfe")),
+            (Kind::Text, Input::Text(&[0xff, 0xfe])),
+        ] {
+            assert!(!check(&kind, &layout, input), "{kind:?} {input:?}");
+        }
+    }
 }
 
 #[cfg(test)]
