@@ -13,6 +13,11 @@
 //!   failure is ever released. Tracked messages cost no future and no
 //!   channel message each: librdkafka's delivery callback marks a sequence
 //!   number done, and the contiguous prefix of done numbers decides.
+//! - [`BulkProducer`] (the initial snapshot, at least once) tracks nothing
+//!   per message: librdkafka reports failed deliveries only, and
+//!   [`BulkProducer::flush`] returns only once every message sent is
+//!   acknowledged, failing if any delivery failed. The connector releases
+//!   no position before that flush.
 //! - In exactly-once mode the [`Producer`] is transactional: every send
 //!   belongs to a Kafka transaction, and nothing of it is visible to
 //!   `read_committed` consumers before [`Producer::commit`] returns. The
