@@ -390,6 +390,7 @@ async fn two_materializers_in_one_group_never_both_apply_a_change() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let c_applied = counter(&c_addr, "pgcdc_materialize_applied_total").await;
     let c_skips = counter(&c_addr, "pgcdc_materialize_bloom_skips_total").await;
+    let c_copied = counter(&c_addr, "pgcdc_materialize_copied_total").await;
     assert_eq!(terminate(c).await, Some(0));
     work.await.expect("workload");
     wait_converged(&source, &target).await;
@@ -400,6 +401,12 @@ async fn two_materializers_in_one_group_never_both_apply_a_change() {
         + counter(&a_addr, "pgcdc_materialize_bloom_skips_total").await
         + counter(&b_addr, "pgcdc_materialize_bloom_skips_total").await;
     assert!(bloom_skips > 0.0, "no insert took the Bloom filter's path");
+    // The snapshot's batches are windows of hundreds of fresh keys.
+    let copied = c_copied
+        + counter(&a_addr, "pgcdc_materialize_copied_total").await
+        + counter(&b_addr, "pgcdc_materialize_copied_total").await;
+    assert!(copied > 0.0, "no fresh row went in by COPY");
+    assert!(copied <= bloom_skips);
     assert_eq!(terminate(a).await, Some(0));
     assert_eq!(terminate(b).await, Some(0));
     assert_eq!(connector.terminate().await, 0);
@@ -1182,4 +1189,189 @@ async fn a_recompute_leaves_unchanged_view_rows_unwritten() {
     assert_eq!(connector.terminate().await, 0);
     source_db.drop_db().await;
     target_db.drop_db().await;
+}
+
+/// The COPY path of fresh keys, against a real target: values that COPY's
+/// text format must escape arrive intact; a tombstoned key and one at or
+/// before the mirror's truncate are left to the caller's guarded path; and
+/// a key already in the mirror (a racing instance's row) rolls the COPY
+/// back and the rows go in by the guarded insert, which keeps that row.
+#[tokio::test]
+async fn fresh_rows_go_in_by_copy_intact_and_the_guard_still_holds() {
+    use pgcdc::materialize::mirror::{self, Mirror, SetRow, Statements};
+    use pgcdc::materialize::shape::{Cell, Column};
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "mat_copy").await;
+    let mut client = db.client().await;
+    client
+        .batch_execute(mirror::STATE_SQL)
+        .await
+        .expect("state schema");
+    client
+        .batch_execute("CREATE SCHEMA mirror; SET TimeZone = 'UTC'")
+        .await
+        .expect("schema");
+    let column = |name: &str, sql_type: &str| Column {
+        name: name.into(),
+        sql_type: sql_type.into(),
+    };
+    let m = Mirror::new(
+        "mirror",
+        "notes",
+        "public.notes",
+        vec![
+            column("id", "bigint"),
+            column("note", "text"),
+            column("tags", "text[]"),
+            column("at", "timestamptz"),
+        ],
+        &["id".to_string()],
+    )
+    .expect("mirror");
+    m.ensure(&client).await.expect("ensure");
+    let notes: [Option<&str>; 10] = [
+        Some("tab\there"),
+        Some("line\nbreak"),
+        Some("cr\rx"),
+        Some("back\\slash"),
+        Some("\\N"),
+        Some("\\."),
+        Some(""),
+        None,
+        Some("naïve 東京 🚀"),
+        Some("ends\\"),
+    ];
+    let text = |s: &str| Cell::Text(s.to_string());
+    // Rows 1-10 carry the notes; 11 has a tombstone; 12 is not newer than
+    // the truncate at (60, 0).
+    let mut keys: Vec<Vec<String>> = Vec::new();
+    let mut cells: Vec<Vec<Cell>> = Vec::new();
+    for id in 1..=12i64 {
+        keys.push(vec![id.to_string()]);
+        let note = notes
+            .get(id as usize - 1)
+            .copied()
+            .flatten()
+            .map_or(Cell::Null, text);
+        cells.push(vec![
+            text(&id.to_string()),
+            note,
+            text(r#"{a,"b c","d\"e"}"#),
+            text("2026-12-04 10:00:00.123456+00"),
+        ]);
+    }
+    let position = |id: usize| {
+        if id == 12 {
+            (60, 0)
+        } else {
+            (100 + id as i64, 0)
+        }
+    };
+    let rows: Vec<SetRow<'_>> = (0..12)
+        .map(|i| SetRow {
+            key: &keys[i],
+            cells: Some(&cells[i]),
+            position: position(i + 1),
+        })
+        .collect();
+    client
+        .execute(
+            "INSERT INTO pgcdc_state.tombstones (mirror, key, commit_lsn, seq) VALUES ($1, $2, 200, 0)",
+            &[&m.qualified, &m.key_text(&keys[10])],
+        )
+        .await
+        .expect("tombstone");
+    client
+        .execute(
+            "INSERT INTO pgcdc_state.truncations (mirror, commit_lsn, seq) VALUES ($1, 60, 0)",
+            &[&m.qualified],
+        )
+        .await
+        .expect("truncation");
+
+    let mut statements = Statements::default();
+    let tx = client.transaction().await.expect("begin");
+    let (inserted, copied) = mirror::copy_new_many(&tx, &mut statements, &m, &rows)
+        .await
+        .expect("copy");
+    tx.commit().await.expect("commit");
+    assert!(copied, "the rows did not go in by COPY");
+    assert_eq!(
+        inserted,
+        (0..10).collect::<Vec<_>>(),
+        "tombstoned or truncated rows went in"
+    );
+    for (i, note) in notes.iter().enumerate() {
+        let row = client
+            .query_one(
+                "SELECT note, tags::text, at::text, _pgcdc_commit_lsn FROM mirror.notes WHERE id = $1",
+                &[&(i as i64 + 1)],
+            )
+            .await
+            .expect("row");
+        assert_eq!(
+            row.get::<_, Option<&str>>(0),
+            *note,
+            "note of row {}",
+            i + 1
+        );
+        assert_eq!(row.get::<_, &str>(1), r#"{a,"b c","d\"e"}"#);
+        assert_eq!(row.get::<_, &str>(2), "2026-12-04 10:00:00.123456+00");
+        assert_eq!(row.get::<_, i64>(3), 101 + i as i64);
+    }
+    let count: i64 = client
+        .query_one("SELECT count(*) FROM mirror.notes", &[])
+        .await
+        .expect("count")
+        .get(0);
+    assert_eq!(count, 10);
+
+    // Row 1 is there now: a COPY of rows 1 and 13-15 conflicts, is rolled
+    // back, and the guarded insert writes 13-15 and leaves row 1 alone.
+    let later: Vec<(Vec<String>, Vec<Cell>)> = [1i64, 13, 14, 15]
+        .iter()
+        .map(|id| {
+            (
+                vec![id.to_string()],
+                vec![text(&id.to_string()), text("later"), Cell::Null, Cell::Null],
+            )
+        })
+        .collect();
+    let rows: Vec<SetRow<'_>> = later
+        .iter()
+        .map(|(k, c)| SetRow {
+            key: k,
+            cells: Some(c),
+            position: (300, 0),
+        })
+        .collect();
+    let tx = client.transaction().await.expect("begin");
+    let (inserted, copied) = mirror::copy_new_many(&tx, &mut statements, &m, &rows)
+        .await
+        .expect("copy with a conflict");
+    tx.commit().await.expect("commit");
+    assert!(!copied, "a COPY over an existing key cannot have succeeded");
+    let mut inserted = inserted;
+    inserted.sort();
+    assert_eq!(inserted, vec![1, 2, 3]);
+    let notes: Vec<Option<String>> = client
+        .query(
+            "SELECT note FROM mirror.notes WHERE id IN (1, 13, 14, 15) ORDER BY id",
+            &[],
+        )
+        .await
+        .expect("rows")
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(
+        notes,
+        vec![
+            Some("tab\there".to_string()),
+            Some("later".into()),
+            Some("later".into()),
+            Some("later".into())
+        ]
+    );
+    db.drop_db().await;
 }

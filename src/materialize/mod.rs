@@ -1576,6 +1576,7 @@ async fn apply_batch(
     }
     metrics::counter!(observe::MATERIALIZE_FAST_TIER_HITS).increment(done.fast_hits);
     metrics::counter!(observe::MATERIALIZE_BLOOM_SKIPS).increment(done.bloom_skips);
+    metrics::counter!(observe::MATERIALIZE_COPIED).increment(done.copied);
     for (table, applied, duplicates) in &done.tables.0 {
         metrics::counter!(observe::MATERIALIZE_APPLIED, "table" => table.clone())
             .increment(*applied);
@@ -1640,6 +1641,8 @@ struct Done {
     duplicates: u64,
     fast_hits: u64,
     bloom_skips: u64,
+    /// Of the bloom skips, rows written by COPY.
+    copied: u64,
     tables: PerTable,
 }
 
@@ -1651,6 +1654,7 @@ impl Done {
         self.duplicates += other.duplicates;
         self.fast_hits += other.fast_hits;
         self.bloom_skips += other.bloom_skips;
+        self.copied += other.copied;
         for (t, a, d) in other.tables.0 {
             self.tables.count(&t, a, d);
         }
@@ -2006,10 +2010,18 @@ async fn apply_window(
             .partition(|c| c.cells.is_some() && lookups.fresh.contains(&c.cache_key));
         if !fresh.is_empty() {
             let rows: Vec<_> = fresh.iter().map(row).collect();
-            let got: HashSet<usize> = mirror::insert_new_many(tx, statements, m, &rows)
-                .await?
-                .into_iter()
-                .collect();
+            let got: HashSet<usize> = if rows.len() >= mirror::COPY_MIN_ROWS {
+                let (got, copied) = mirror::copy_new_many(tx, statements, m, &rows).await?;
+                if copied {
+                    done.copied += got.len() as u64;
+                }
+                got.into_iter().collect()
+            } else {
+                mirror::insert_new_many(tx, statements, m, &rows)
+                    .await?
+                    .into_iter()
+                    .collect()
+            };
             let mut ins = Vec::new();
             for (j, c) in fresh.into_iter().enumerate() {
                 if got.contains(&j) {

@@ -56,6 +56,8 @@ pub const MATERIALIZE_BATCH_SECONDS: &str = "pgcdc_materialize_batch_seconds";
 pub const MATERIALIZE_FAST_TIER_UP: &str = "pgcdc_materialize_fast_tier_up";
 /// Durable look-ups skipped: inserts of keys the Bloom filter never saw.
 pub const MATERIALIZE_BLOOM_SKIPS: &str = "pgcdc_materialize_bloom_skips_total";
+/// Of those inserts, rows written by `COPY` (windows of many fresh keys).
+pub const MATERIALIZE_COPIED: &str = "pgcdc_materialize_copied_total";
 /// Messages not yet applied, by `topic` and `partition` (high watermark
 /// minus the committed offset).
 pub const MATERIALIZE_CONSUMER_LAG: &str = "pgcdc_materialize_consumer_lag";
@@ -302,6 +304,10 @@ fn describe() {
     metrics::describe_counter!(
         MATERIALIZE_BLOOM_SKIPS,
         "Durable look-ups skipped for keys the Bloom filter never saw"
+    );
+    metrics::describe_counter!(
+        MATERIALIZE_COPIED,
+        "Rows of keys the Bloom filter never saw written to a mirror by COPY"
     );
     metrics::describe_gauge!(
         MATERIALIZE_CONSUMER_LAG,
