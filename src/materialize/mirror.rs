@@ -949,7 +949,7 @@ mod tests {
             },
         );
         assert_eq!(
-            String::from_utf8(out).unwrap(),
+            String::from_utf8(out).expect("utf-8"),
             "1\ta\\tb\\nc\\rd\\\\e\t\\\\.\t\\\\N\t\t\\N\t\\N\t42\t7\n"
         );
     }
