@@ -23,6 +23,7 @@
 //! same locks (taken in key order), one round trip.
 
 use std::collections::HashMap;
+use std::io::Write;
 
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{GenericClient, Statement, Transaction};
@@ -794,7 +795,8 @@ fn copy_row(out: &mut Vec<u8>, row: &SetRow<'_>) {
         }
         out.push(b'\t');
     }
-    out.extend_from_slice(format!("{}\t{}\n", row.position.0, row.position.1).as_bytes());
+    // Into the buffer directly: writing to a Vec cannot fail.
+    let _ = writeln!(out, "{}\t{}", row.position.0, row.position.1);
 }
 
 /// A value in COPY text format: backslash, tab, newline and carriage
