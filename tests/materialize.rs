@@ -981,33 +981,56 @@ async fn unchanged_toast_keeps_the_mirror_value_and_old_tombstones_are_swept() {
     target_db.drop_db().await;
 }
 
+/// A target database with the materializer's state schema and one mirror,
+/// `schema.table` of `columns` (name, type) keyed by the first.
+async fn target_with_mirror(
+    stack: &Stack,
+    prefix: &str,
+    schema: &str,
+    table: &str,
+    columns: &[(&str, &str)],
+) -> (
+    TestDb,
+    tokio_postgres::Client,
+    pgcdc::materialize::mirror::Mirror,
+) {
+    use pgcdc::materialize::mirror::{self, Mirror};
+    use pgcdc::materialize::shape::Column;
+    let db = TestDb::create(stack, prefix).await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!("{}\nCREATE SCHEMA {schema};", mirror::STATE_SQL))
+        .await
+        .expect("state");
+    let key = [columns[0].0.to_string()];
+    let columns = columns
+        .iter()
+        .map(|(name, sql_type)| Column {
+            name: name.to_string(),
+            sql_type: sql_type.to_string(),
+        })
+        .collect();
+    let m = Mirror::new(schema, table, &format!("public.{table}"), columns, &key).expect("mirror");
+    m.ensure(&client).await.expect("ensure");
+    (db, client, m)
+}
+
 /// The Bloom filter's path: an insert guarded in one statement must refuse
 /// whenever the durable tier holds a position for the key (a row, a
 /// tombstone, a truncate at or after it), whatever the filter believed.
 #[tokio::test]
 async fn a_guarded_insert_never_passes_a_stored_position() {
-    use pgcdc::materialize::mirror::{self, Mirror, Statements};
-    use pgcdc::materialize::shape::{Cell, Column};
+    use pgcdc::materialize::mirror::{self, Statements};
+    use pgcdc::materialize::shape::Cell;
     let stack = support::stack();
-    let db = TestDb::create(&stack, "mat_guard").await;
-    let mut client = db.client().await;
-    client
-        .batch_execute(&format!("{}\nCREATE SCHEMA m;", mirror::STATE_SQL))
-        .await
-        .expect("state");
-    let column = |name: &str, sql_type: &str| Column {
-        name: name.into(),
-        sql_type: sql_type.into(),
-    };
-    let m = Mirror::new(
+    let (db, mut client, m) = target_with_mirror(
+        &stack,
+        "mat_guard",
         "m",
         "t",
-        "public.t",
-        vec![column("id", "bigint"), column("v", "text")],
-        &["id".to_string()],
+        &[("id", "bigint"), ("v", "text")],
     )
-    .expect("mirror");
-    m.ensure(&client).await.expect("ensure");
+    .await;
     let row = |id: &str| vec![Cell::Text(id.into()), Cell::Text("x".into())];
     let mut statements = Statements::default();
     let tx = client.transaction().await.expect("tx");
@@ -1198,37 +1221,21 @@ async fn a_recompute_leaves_unchanged_view_rows_unwritten() {
 /// back and the rows go in by the guarded insert, which keeps that row.
 #[tokio::test]
 async fn fresh_rows_go_in_by_copy_intact_and_the_guard_still_holds() {
-    use pgcdc::materialize::mirror::{self, Mirror, SetRow, Statements};
-    use pgcdc::materialize::shape::{Cell, Column};
+    use pgcdc::materialize::mirror::{self, SetRow, Statements};
+    use pgcdc::materialize::shape::Cell;
     let stack = support::stack();
-    let db = TestDb::create(&stack, "mat_copy").await;
-    let mut client = db.client().await;
+    let columns = [
+        ("id", "bigint"),
+        ("note", "text"),
+        ("tags", "text[]"),
+        ("at", "timestamptz"),
+    ];
+    let (db, mut client, m) =
+        target_with_mirror(&stack, "mat_copy", "mirror", "notes", &columns).await;
     client
-        .batch_execute(mirror::STATE_SQL)
+        .batch_execute("SET TimeZone = 'UTC'")
         .await
-        .expect("state schema");
-    client
-        .batch_execute("CREATE SCHEMA mirror; SET TimeZone = 'UTC'")
-        .await
-        .expect("schema");
-    let column = |name: &str, sql_type: &str| Column {
-        name: name.into(),
-        sql_type: sql_type.into(),
-    };
-    let m = Mirror::new(
-        "mirror",
-        "notes",
-        "public.notes",
-        vec![
-            column("id", "bigint"),
-            column("note", "text"),
-            column("tags", "text[]"),
-            column("at", "timestamptz"),
-        ],
-        &["id".to_string()],
-    )
-    .expect("mirror");
-    m.ensure(&client).await.expect("ensure");
+        .expect("time zone");
     let notes: [Option<&str>; 10] = [
         Some("tab\there"),
         Some("line\nbreak"),

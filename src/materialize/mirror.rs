@@ -663,6 +663,14 @@ pub async fn stored_positions(
     Ok(out)
 }
 
+/// The set-wise guard of a fresh key's insert, over `u(kt, lsn, seq)` of
+/// mirror `$1`: its key has a tombstone ...
+const TOMBSTONED: &str =
+    "EXISTS (SELECT 1 FROM pgcdc_state.tombstones t WHERE t.mirror = $1 AND t.key = u.kt)";
+/// ... or a truncate at or after its position.
+const TRUNCATED: &str = "EXISTS (SELECT 1 FROM pgcdc_state.truncations r
+                   WHERE r.mirror = $1 AND (r.commit_lsn, r.seq) >= (u.lsn, u.seq))";
+
 /// [`insert_new`] of many rows in one statement: returns the indexes (into
 /// `rows`) of those it inserted.
 pub async fn insert_new_many(
@@ -687,9 +695,7 @@ pub async fn insert_new_many(
              ), ins AS (
                INSERT INTO {m} ({names}, _pgcdc_commit_lsn, _pgcdc_seq)
                SELECT {values}, u.lsn, u.seq FROM u
-               WHERE NOT EXISTS (SELECT 1 FROM pgcdc_state.tombstones t WHERE t.mirror = $1 AND t.key = u.kt)
-                 AND NOT EXISTS (SELECT 1 FROM pgcdc_state.truncations r
-                                 WHERE r.mirror = $1 AND (r.commit_lsn, r.seq) >= (u.lsn, u.seq))
+               WHERE NOT {TOMBSTONED} AND NOT {TRUNCATED}
                ON CONFLICT ({key}) DO NOTHING
                RETURNING {keys}
              )
@@ -729,15 +735,13 @@ pub async fn copy_new_many(
     mirror: &Mirror,
     rows: &[SetRow<'_>],
 ) -> Result<(Vec<usize>, bool), tokio_postgres::Error> {
-    let barred = statements
-        .prepare(
-            tx,
+    let barred = statements.text("copy barred".into(), || {
+        format!(
             "SELECT u.i FROM unnest($2::text[], $3::bigint[], $4::bigint[]) WITH ORDINALITY AS u(kt, lsn, seq, i)
-             WHERE EXISTS (SELECT 1 FROM pgcdc_state.tombstones t WHERE t.mirror = $1 AND t.key = u.kt)
-                OR EXISTS (SELECT 1 FROM pgcdc_state.truncations r
-                           WHERE r.mirror = $1 AND (r.commit_lsn, r.seq) >= (u.lsn, u.seq))",
+             WHERE {TOMBSTONED} OR {TRUNCATED}"
         )
-        .await?;
+    });
+    let barred = statements.prepare(tx, &barred).await?;
     let params = SetParams::new(mirror, rows, Vec::new());
     let barred: std::collections::HashSet<usize> = tx
         .query(&barred, &params.refs(mirror))
