@@ -292,10 +292,7 @@ async fn run_streams_snapshot_and_changes_as_debezium_envelopes() {
     // Python's confluent-kafka decodes every record through our registry.
     let python = std::env::var("PGCDC_PYTHON").expect("PGCDC_PYTHON (set by scripts/test)");
     let out = tokio::process::Command::new(python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/interop/read_changelog.py"
-        ))
+        .arg(support::repo_file("tests/interop/read_changelog.py"))
         .args([orders_topic.as_str(), "12", "amount"])
         .env("PGCDC_REGISTRY_URL", &stack.registry_url)
         .env("PGCDC_KAFKA_BROKERS", &stack.brokers)

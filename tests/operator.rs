@@ -330,7 +330,7 @@ fn plot<'a>(page: &'a Json, name: &str) -> &'a Json {
 fn test_output() -> std::path::PathBuf {
     std::env::var_os("PGCDC_TEST_OUTPUT")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("test-output"))
+        .unwrap_or_else(|| support::repo_file("test-output"))
 }
 
 #[tokio::test]

@@ -681,10 +681,7 @@ async fn python_confluent_kafka_clients_work_against_our_registry() {
     let python = std::env::var("PGCDC_PYTHON").expect(
         "PGCDC_PYTHON is not set: run the tests through scripts/test, which creates the virtualenv",
     );
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/interop/registry_interop.py"
-    );
+    let script = support::repo_file("tests/interop/registry_interop.py");
     let out = tokio::process::Command::new(python)
         .arg(script)
         .env("PGCDC_REGISTRY_URL", &stack.registry_url)

@@ -49,10 +49,7 @@ async fn assert_valid(report: &str) {
     std::fs::write(&schema_path, &schema.stdout).expect("write schema");
     std::fs::write(&doc_path, report).expect("write report");
     let python = std::env::var("PGCDC_PYTHON").expect("PGCDC_PYTHON: run through scripts/test");
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/interop/validate_json.py"
-    );
+    let script = support::repo_file("tests/interop/validate_json.py");
     let out = tokio::process::Command::new(python)
         .arg(script)
         .arg(&schema_path)

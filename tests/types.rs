@@ -342,10 +342,7 @@ async fn every_type_family_round_trips_without_loss() {
     // A standard Avro reader in another language decodes every record.
     let python = std::env::var("PGCDC_PYTHON").expect("PGCDC_PYTHON (set by scripts/test)");
     let out = tokio::process::Command::new(python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/interop/read_changelog.py"
-        ))
+        .arg(support::repo_file("tests/interop/read_changelog.py"))
         .args([topic.as_str(), "3", "n_scaled"])
         .env("PGCDC_REGISTRY_URL", &stack.registry_url)
         .env("PGCDC_KAFKA_BROKERS", &stack.brokers)

@@ -112,7 +112,8 @@ async fn validate_reports_every_invalid_field_by_path() {
 #[tokio::test]
 async fn demo_config_validates_against_the_stack_environment() {
     let stack = support::stack();
-    let demo = concat!(env!("CARGO_MANIFEST_DIR"), "/connectors/demo.toml");
+    let demo = support::repo_file("connectors/demo.toml");
+    let demo = demo.to_str().expect("a UTF-8 path");
 
     let run = support::pgcdc(&["validate", "--config", demo]).await;
 

@@ -130,9 +130,20 @@ impl TestDb {
     }
 }
 
+/// A file of the repository. The directory comes from `cargo test`'s
+/// environment when it runs the tests: the one compiled in names the clone
+/// that built this binary, which in a build cache shared between clones
+/// may be another (cargo keeps a binary whose sources are older than it).
+pub fn repo_file(relative: &str) -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+        .join(relative)
+}
+
 /// Applies a SQL file from the repository.
 pub async fn apply_sql_file(client: &Client, relative: &str) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(relative);
+    let path = repo_file(relative);
     let sql = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {relative}: {e}"));
     client
         .batch_execute(&sql)
