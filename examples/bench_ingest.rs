@@ -5,6 +5,12 @@
 //! such as the pipeline's `compression.type`), timed from the first send
 //! to the last acknowledgement. Prints `<acknowledged> <seconds>`.
 //!
+//! With `--replay TOPIC[,TOPIC...]` in place of SIZE, the messages are the
+//! keys and values those topics hold (read into memory first, outside the
+//! figures), produced in their order and repeated up to COUNT: the
+//! connector's own bytes, which compress as they do. A constant payload
+//! compresses to almost nothing and would flatter the ceiling.
+//!
 //! A few warm-up messages go first, outside the figures. With `--rate R`
 //! it sends at R messages a second instead (one burst
 //! every 10 ms) and prints `<acknowledged> <seconds> <p50> <p99> <max>`,
@@ -13,6 +19,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench_ingest -- BROKERS TOPIC COUNT SIZE [PARTITIONS] [--rate R] [-X key=value ...]
+//! cargo run --release --example bench_ingest -- BROKERS TOPIC COUNT --replay TOPICS [PARTITIONS] [-X key=value ...]
 //! ```
 //!
 //! An example rather than a bench target: `cargo test` builds examples,
@@ -25,9 +32,10 @@ use std::time::{Duration, Instant};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
-use rdkafka::ClientContext;
+use rdkafka::{ClientContext, Message, Offset, TopicPartitionList};
 
 #[derive(Default)]
 struct Acks {
@@ -70,7 +78,7 @@ impl ProducerContext for Counter {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: bench_ingest BROKERS TOPIC COUNT SIZE [PARTITIONS] [--rate R] [-X key=value ...]"
+        "usage: bench_ingest BROKERS TOPIC COUNT (SIZE | --replay TOPICS) [PARTITIONS] [--rate R] [-X key=value ...]"
     );
     std::process::exit(2)
 }
@@ -79,7 +87,7 @@ struct Args {
     brokers: String,
     topic: String,
     count: u64,
-    size: usize,
+    payload: Payload,
     partitions: i32,
     rate: Option<u64>,
     properties: Vec<(String, String)>,
@@ -87,7 +95,7 @@ struct Args {
 
 fn parse_args() -> Args {
     let mut positional = Vec::new();
-    let (mut rate, mut properties) = (None, Vec::new());
+    let (mut rate, mut properties, mut replay) = (None, Vec::new(), None);
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -98,6 +106,7 @@ fn parse_args() -> Args {
                         .unwrap_or_else(|| usage()),
                 )
             }
+            "--replay" => replay = Some(it.next().unwrap_or_else(|| usage())),
             "-X" => {
                 let kv = it.next().unwrap_or_else(|| usage());
                 let (k, v) = kv.split_once('=').unwrap_or_else(|| usage());
@@ -106,21 +115,90 @@ fn parse_args() -> Args {
             _ => positional.push(a),
         }
     }
-    if !(4..=5).contains(&positional.len()) {
+    // SIZE is there unless --replay takes its place.
+    let sized = usize::from(replay.is_none());
+    if !(3 + sized..=4 + sized).contains(&positional.len()) {
         usage();
     }
+    let payload = match replay {
+        Some(topics) => Payload::Replay(topics.split(',').map(str::to_string).collect()),
+        None => Payload::Constant(positional[3].parse().unwrap_or_else(|_| usage())),
+    };
     Args {
         brokers: positional[0].clone(),
         topic: positional[1].clone(),
         count: positional[2].parse().unwrap_or_else(|_| usage()),
-        size: positional[3].parse().unwrap_or_else(|_| usage()),
+        payload,
         partitions: positional
-            .get(4)
+            .get(3 + sized)
             .map(|p| p.parse().unwrap_or_else(|_| usage()))
             .unwrap_or(3),
         rate,
         properties,
     }
+}
+
+/// What the messages carry.
+enum Payload {
+    /// SIZE bytes of one value.
+    Constant(usize),
+    /// The messages these topics hold.
+    Replay(Vec<String>),
+}
+
+/// A message's key and value (`None`: null, as a tombstone's value).
+type Sample = (Option<Box<[u8]>>, Option<Box<[u8]>>);
+
+/// Every message of `topics`, partition after partition, up to each
+/// partition's high watermark as it is now.
+fn read_topics(brokers: &str, topics: &[String]) -> Vec<Sample> {
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", "bench_ingest_replay")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .unwrap_or_else(|e| panic!("replay consumer: {e}"));
+    let timeout = Duration::from_secs(30);
+    let mut samples = Vec::new();
+    for topic in topics {
+        let metadata = consumer
+            .fetch_metadata(Some(topic), timeout)
+            .unwrap_or_else(|e| panic!("metadata of {topic}: {e}"));
+        let partitions = metadata
+            .topics()
+            .first()
+            .map(|t| t.partitions().len() as i32)
+            .filter(|n| *n > 0)
+            .unwrap_or_else(|| panic!("topic {topic} has no partitions"));
+        for p in 0..partitions {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p, timeout)
+                .unwrap_or_else(|e| panic!("watermarks of {topic}/{p}: {e}"));
+            if high <= low {
+                continue;
+            }
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(topic, p, Offset::Offset(low))
+                .unwrap_or_else(|e| panic!("assign {topic}/{p}: {e}"));
+            consumer
+                .assign(&tpl)
+                .unwrap_or_else(|e| panic!("assign {topic}/{p}: {e}"));
+            loop {
+                let m = match consumer.poll(timeout) {
+                    Some(Ok(m)) => m,
+                    Some(Err(e)) => panic!("read {topic}/{p}: {e}"),
+                    None => panic!("read {topic}/{p}: nothing within {timeout:?}"),
+                };
+                samples.push((m.key().map(Box::from), m.payload().map(Box::from)));
+                if m.offset() + 1 >= high {
+                    break;
+                }
+            }
+        }
+    }
+    assert!(!samples.is_empty(), "{topics:?} hold no messages");
+    samples
 }
 
 fn quantile(sorted: &[u64], q: f64) -> f64 {
@@ -172,7 +250,11 @@ async fn main() {
     let producer: ThreadedProducer<Counter> = cc
         .create_with_context(Counter(acks.clone()))
         .unwrap_or_else(|e| panic!("producer: {e}"));
-    let payload = vec![0x5a_u8; args.size];
+    let samples = match &args.payload {
+        Payload::Constant(size) => vec![(None, Some(vec![0x5a_u8; *size].into_boxed_slice()))],
+        Payload::Replay(topics) => read_topics(brokers, topics),
+    };
+    let payload = samples[0].1.as_deref().unwrap_or_default();
     // Warm-up, outside the figures: the new topic's metadata and leaders,
     // and the idempotent producer's id.
     for i in 0..(args.partitions as u64 * 4) {
@@ -198,11 +280,12 @@ async fn main() {
                 tick.tick().await;
             }
         }
-        let key = i.to_be_bytes();
+        let (key, value) = &samples[(i % samples.len() as u64) as usize];
+        let counted = i.to_be_bytes();
         let sent_us = acks.started.map_or(0, |s| s.elapsed().as_micros() as usize);
         let mut record = BaseRecord::with_opaque_to(topic, sent_us)
-            .key(&key[..])
-            .payload(&payload[..]);
+            .key(key.as_deref().unwrap_or(&counted[..]));
+        record.payload = value.as_deref();
         loop {
             match producer.send(record) {
                 Ok(()) => break,
