@@ -8,8 +8,13 @@
 //! With `--replay TOPIC[,TOPIC...]` in place of SIZE, the messages are the
 //! keys and values those topics hold (read into memory first, outside the
 //! figures), produced in their order and repeated up to COUNT: the
-//! connector's own bytes, which compress as they do. A constant payload
-//! compresses to almost nothing and would flatter the ceiling.
+//! connector's own bytes, which compress as they do (a constant payload
+//! compresses to almost nothing).
+//!
+//! With `--cpu-of PID` it also prints the CPU seconds (user + sys) that
+//! it and that process (the broker) spent in the timed span alone:
+//! `<acknowledged> <seconds> <own cpu> <PID's cpu>`. A replay's reading
+//! would otherwise count as producing.
 //!
 //! A few warm-up messages go first, outside the figures. With `--rate R`
 //! it sends at R messages a second instead (one burst
@@ -19,7 +24,7 @@
 //!
 //! ```text
 //! cargo run --release --example bench_ingest -- BROKERS TOPIC COUNT SIZE [PARTITIONS] [--rate R] [-X key=value ...]
-//! cargo run --release --example bench_ingest -- BROKERS TOPIC COUNT --replay TOPICS [PARTITIONS] [-X key=value ...]
+//! cargo run --release --example bench_ingest -- BROKERS TOPIC COUNT --replay TOPICS [PARTITIONS] [--cpu-of PID] [-X key=value ...]
 //! ```
 //!
 //! An example rather than a bench target: `cargo test` builds examples,
@@ -78,7 +83,7 @@ impl ProducerContext for Counter {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: bench_ingest BROKERS TOPIC COUNT (SIZE | --replay TOPICS) [PARTITIONS] [--rate R] [-X key=value ...]"
+        "usage: bench_ingest BROKERS TOPIC COUNT (SIZE | --replay TOPICS) [PARTITIONS] [--rate R] [--cpu-of PID] [-X key=value ...]"
     );
     std::process::exit(2)
 }
@@ -89,13 +94,14 @@ struct Args {
     count: u64,
     payload: Payload,
     partitions: i32,
+    cpu_of: Option<String>,
     rate: Option<u64>,
     properties: Vec<(String, String)>,
 }
 
 fn parse_args() -> Args {
     let mut positional = Vec::new();
-    let (mut rate, mut properties, mut replay) = (None, Vec::new(), None);
+    let (mut rate, mut properties, mut replay, mut cpu_of) = (None, Vec::new(), None, None);
     let mut it = std::env::args().skip(1);
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -107,6 +113,7 @@ fn parse_args() -> Args {
                 )
             }
             "--replay" => replay = Some(it.next().unwrap_or_else(|| usage())),
+            "--cpu-of" => cpu_of = Some(it.next().unwrap_or_else(|| usage())),
             "-X" => {
                 let kv = it.next().unwrap_or_else(|| usage());
                 let (k, v) = kv.split_once('=').unwrap_or_else(|| usage());
@@ -129,6 +136,7 @@ fn parse_args() -> Args {
         topic: positional[1].clone(),
         count: positional[2].parse().unwrap_or_else(|_| usage()),
         payload,
+        cpu_of,
         partitions: positional
             .get(3 + sized)
             .map(|p| p.parse().unwrap_or_else(|_| usage()))
@@ -136,6 +144,21 @@ fn parse_args() -> Args {
         rate,
         properties,
     }
+}
+
+/// A process's user + sys CPU seconds so far (`self` for this one), from
+/// /proc: its clock ticks are USER_HZ, 100 on Linux.
+fn cpu_seconds(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .unwrap_or_else(|e| panic!("/proc/{pid}/stat: {e}"));
+    // The fields after the command name, which may hold spaces.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    let tick = |i: usize| -> f64 { fields.get(i).and_then(|f| f.parse().ok()).unwrap_or(0.0) };
+    (tick(11) + tick(12)) / 100.0
 }
 
 /// What the messages carry.
@@ -261,7 +284,7 @@ async fn main() {
         let key = (u64::MAX - i).to_be_bytes();
         let record = BaseRecord::with_opaque_to(topic, WARMUP)
             .key(&key[..])
-            .payload(&payload[..]);
+            .payload(payload);
         producer
             .send(record)
             .unwrap_or_else(|(e, _)| panic!("produce: {e}"));
@@ -270,6 +293,10 @@ async fn main() {
         .flush(Duration::from_secs(60))
         .unwrap_or_else(|e| panic!("flush: {e}"));
     acks.ok.store(0, Ordering::Relaxed);
+    let cpu_before = args
+        .cpu_of
+        .as_deref()
+        .map(|pid| (cpu_seconds("self"), cpu_seconds(pid)));
     let started = Instant::now();
     // Latency mode: a burst every 10 ms, as the latency load commits.
     let per_tick = args.rate.map(|r| (r / 100).max(1));
@@ -283,8 +310,8 @@ async fn main() {
         let (key, value) = &samples[(i % samples.len() as u64) as usize];
         let counted = i.to_be_bytes();
         let sent_us = acks.started.map_or(0, |s| s.elapsed().as_micros() as usize);
-        let mut record = BaseRecord::with_opaque_to(topic, sent_us)
-            .key(key.as_deref().unwrap_or(&counted[..]));
+        let mut record =
+            BaseRecord::with_opaque_to(topic, sent_us).key(key.as_deref().unwrap_or(&counted[..]));
         record.payload = value.as_deref();
         loop {
             match producer.send(record) {
@@ -314,6 +341,12 @@ async fn main() {
             quantile(&l, 0.5),
             quantile(&l, 0.99),
             quantile(&l, 1.0)
+        );
+    } else if let (Some(pid), Some((own, theirs))) = (args.cpu_of.as_deref(), cpu_before) {
+        println!(
+            "{ok} {seconds:.3} {:.2} {:.2}",
+            cpu_seconds("self") - own,
+            cpu_seconds(pid) - theirs
         );
     } else {
         println!("{ok} {seconds:.3}");
