@@ -660,7 +660,15 @@ fn producer_config(kafka: &KafkaConfig, linger_ms: &str) -> ClientConfig {
 #[derive(Clone)]
 pub struct BulkProducer {
     inner: ThreadedProducer<BulkDeliveries>,
-    failed: Arc<Mutex<Option<String>>>,
+    failed: Arc<FirstFailure>,
+}
+
+/// The first failed delivery; `any` lets every send check for one without
+/// taking the lock (two copy workers contend on it otherwise).
+#[derive(Default)]
+struct FirstFailure {
+    any: std::sync::atomic::AtomicBool,
+    reason: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for BulkProducer {
@@ -671,7 +679,7 @@ impl std::fmt::Debug for BulkProducer {
 
 /// Keeps the first failed delivery of a [`BulkProducer`] (librdkafka's
 /// polling thread).
-struct BulkDeliveries(Arc<Mutex<Option<String>>>);
+struct BulkDeliveries(Arc<FirstFailure>);
 
 impl ClientContext for BulkDeliveries {}
 
@@ -681,8 +689,9 @@ impl ProducerContext for BulkDeliveries {
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
         if let Err((e, _)) = result {
             metrics::counter!(crate::observe::KAFKA_DELIVERY_ERRORS).increment(1);
-            let mut failed = self.0.lock().unwrap_or_else(|e| e.into_inner());
-            failed.get_or_insert_with(|| format!("Kafka delivery failed: {e}"));
+            let mut reason = self.0.reason.lock().unwrap_or_else(|e| e.into_inner());
+            reason.get_or_insert_with(|| format!("Kafka delivery failed: {e}"));
+            self.0.any.store(true, std::sync::atomic::Ordering::Release);
         }
     }
 }
@@ -691,15 +700,34 @@ impl BulkProducer {
     pub fn create(kafka: &KafkaConfig) -> Result<BulkProducer, KafkaError> {
         let mut cc = producer_config(kafka, BULK_LINGER_MS);
         cc.set("delivery.report.only.error", "true");
-        let failed = Arc::new(Mutex::new(None));
+        let failed = Arc::new(FirstFailure::default());
         Ok(BulkProducer {
             inner: cc.create_with_context(BulkDeliveries(failed.clone()))?,
             failed,
         })
     }
 
+    /// Waits until the producer holds the metadata of `topics`: until then
+    /// librdkafka keeps the rows in its queue, which fills within a fraction
+    /// of a second and holds every copy behind it while it connects.
+    pub async fn warm(&self, topics: Vec<String>) -> Result<(), KafkaError> {
+        let p = self.inner.clone();
+        blocking(move || {
+            for topic in &topics {
+                p.client()
+                    .fetch_metadata(Some(topic), Duration::from_secs(30))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     fn failure(&self) -> Option<String> {
+        if !self.failed.any.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
         self.failed
+            .reason
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()

@@ -1471,8 +1471,11 @@ async fn run_snapshot(
     let bulk = if output.producer.is_transactional() {
         output.clone()
     } else {
+        let bulk = sink::BulkProducer::create(&config.kafka)?;
+        bulk.warm(plans.iter().map(|p| p.codec.topic.clone()).collect())
+            .await?;
         Output {
-            bulk: Some(sink::BulkProducer::create(&config.kafka)?),
+            bulk: Some(bulk),
             ..output.clone()
         }
     };
