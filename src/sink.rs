@@ -660,15 +660,9 @@ fn producer_config(kafka: &KafkaConfig, linger_ms: &str) -> ClientConfig {
 #[derive(Clone)]
 pub struct BulkProducer {
     inner: ThreadedProducer<BulkDeliveries>,
-    failed: Arc<FirstFailure>,
-}
-
-/// The first failed delivery; `any` lets every send check for one without
-/// taking the lock (two copy workers contend on it otherwise).
-#[derive(Default)]
-struct FirstFailure {
-    any: std::sync::atomic::AtomicBool,
-    reason: Mutex<Option<String>>,
+    /// The first failed delivery: a `OnceLock`, so every send checks for
+    /// one without a lock (two copy workers would contend on a mutex).
+    failed: Arc<std::sync::OnceLock<String>>,
 }
 
 impl std::fmt::Debug for BulkProducer {
@@ -679,7 +673,7 @@ impl std::fmt::Debug for BulkProducer {
 
 /// Keeps the first failed delivery of a [`BulkProducer`] (librdkafka's
 /// polling thread).
-struct BulkDeliveries(Arc<FirstFailure>);
+struct BulkDeliveries(Arc<std::sync::OnceLock<String>>);
 
 impl ClientContext for BulkDeliveries {}
 
@@ -689,9 +683,7 @@ impl ProducerContext for BulkDeliveries {
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
         if let Err((e, _)) = result {
             metrics::counter!(crate::observe::KAFKA_DELIVERY_ERRORS).increment(1);
-            let mut reason = self.0.reason.lock().unwrap_or_else(|e| e.into_inner());
-            reason.get_or_insert_with(|| format!("Kafka delivery failed: {e}"));
-            self.0.any.store(true, std::sync::atomic::Ordering::Release);
+            self.0.get_or_init(|| format!("Kafka delivery failed: {e}"));
         }
     }
 }
@@ -700,7 +692,7 @@ impl BulkProducer {
     pub fn create(kafka: &KafkaConfig) -> Result<BulkProducer, KafkaError> {
         let mut cc = producer_config(kafka, BULK_LINGER_MS);
         cc.set("delivery.report.only.error", "true");
-        let failed = Arc::new(FirstFailure::default());
+        let failed = Arc::new(std::sync::OnceLock::new());
         Ok(BulkProducer {
             inner: cc.create_with_context(BulkDeliveries(failed.clone()))?,
             failed,
@@ -723,14 +715,7 @@ impl BulkProducer {
     }
 
     fn failure(&self) -> Option<String> {
-        if !self.failed.any.load(std::sync::atomic::Ordering::Acquire) {
-            return None;
-        }
-        self.failed
-            .reason
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.failed.get().cloned()
     }
 
     /// Enqueues a record, waiting while librdkafka's queue is full; fails
