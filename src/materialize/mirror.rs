@@ -86,6 +86,16 @@ impl Mirror {
         })
     }
 
+    /// True when `column` is the whole key and holds integers or text,
+    /// whose text a change's key carries exactly as the mirror would give
+    /// it back: a row's view key under a mapping by this column is then the
+    /// change's key itself, with no need to read it from the mirror.
+    pub fn key_is(&self, column: &str) -> bool {
+        matches!(self.key.as_slice(), [i]
+            if self.columns[*i].name == column
+                && matches!(self.columns[*i].sql_type.as_str(), "smallint" | "integer" | "bigint" | "text"))
+    }
+
     /// Creates the mirror if missing and adds columns a newer schema has.
     pub async fn ensure(&self, client: &impl GenericClient) -> Result<(), tokio_postgres::Error> {
         let cols: Vec<String> = self

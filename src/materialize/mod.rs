@@ -63,7 +63,8 @@ use std::time::{Duration, Instant};
 use apache_avro::types::Value;
 use apache_avro::Schema;
 use futures_util::{pin_mut, FutureExt, TryStreamExt};
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::Value as Json;
 use tokio_postgres::{Client, GenericClient};
@@ -272,17 +273,61 @@ fn consumer_config(kafka: &crate::config::KafkaConfig, group: &str) -> rdkafka::
 /// planned as a scan of the whole mirror per batch (seen in the bench: the
 /// apply rate fell fivefold). Failures only warn: statistics are an
 /// optimisation.
-async fn refresh_statistics(db: &Client, state: &mut State) {
+async fn refresh_statistics(db: &Client, state: &mut State, analyze: &mut Analyze) {
+    if let Analyze::Beside { running, .. } = analyze {
+        // One at a time; what grows meanwhile is analyzed next time.
+        if running.as_ref().is_some_and(|r| !r.is_finished()) {
+            return;
+        }
+    }
+    let mut due = Vec::new();
     for (mirror, g) in state.growth.iter_mut() {
         if g.since < ANALYZE_AFTER.max(g.total / 4) {
             continue;
         }
         g.total += g.since;
         g.since = 0;
+        due.push(mirror.clone());
+    }
+    if due.is_empty() {
+        return;
+    }
+    match analyze {
+        Analyze::Inline => analyze_mirrors(db, &due).await,
+        Analyze::Beside { url, running } => {
+            let url = url.clone();
+            *running = Some(tokio::spawn(async move {
+                match crate::source::connect(&url).await {
+                    Ok(own) => analyze_mirrors(&own, &due).await,
+                    Err(e) => {
+                        tracing::warn!(error = %crate::source::error_text(&e), "could not connect to refresh the mirrors' statistics")
+                    }
+                }
+            }));
+        }
+    }
+}
+
+async fn analyze_mirrors(db: &Client, mirrors: &[String]) {
+    for mirror in mirrors {
         if let Err(e) = db.batch_execute(&format!("ANALYZE {mirror}")).await {
             tracing::warn!(%mirror, error = %crate::source::error_text(&e), "could not refresh the mirror's statistics");
         }
     }
+}
+
+/// Where [`refresh_statistics`] runs ANALYZE.
+enum Analyze {
+    /// On the apply's connection between batches: a rebuild's, which
+    /// swaps its mirrors in under locks an ANALYZE beside it would delay.
+    Inline,
+    /// On a connection of its own, beside the apply (ANALYZE takes no
+    /// lock that writes wait on), so that a batch does not wait the 30 to
+    /// 40 ms it takes on a mirror of a million rows.
+    Beside {
+        url: crate::secret::Dsn,
+        running: Option<tokio::task::JoinHandle<()>>,
+    },
 }
 
 /// Keys with an open dead letter: a later change of such a key that
@@ -895,7 +940,8 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     };
 
     let group = group_id(&config, &target);
-    let consumer: StreamConsumer = consumer_config(&config.kafka, &group).create()?;
+    let consumer: LiveConsumer =
+        consumer_config(&config.kafka, &group).create_with_context(Commits)?;
     let homes = config.homes();
     // Dedicated topics are read as their tables' own.
     let topics: Vec<String> = mirrors.keys().chain(homes.keys()).cloned().collect();
@@ -918,6 +964,10 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         ..State::new(registry, mirrors, views, fast)
     };
     let mut fair = fairness::Fairness::new(target.tenant_quota.clone());
+    let mut analyze = Analyze::Beside {
+        url: target.url.clone(),
+        running: None,
+    };
     let committed = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
     let lag = tokio::spawn(report_lag(config.clone(), committed.clone()));
     let reach = (config.retention.check_interval_secs > 0 && !config.read_models.is_empty())
@@ -995,7 +1045,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         let first_failure_ms = crate::connector::now_ms();
         loop {
             let Err(e) = apply_batch(&mut state, &mut db, &dead_letters, &batch).await else {
-                refresh_statistics(&db, &mut state).await;
+                refresh_statistics(&db, &mut state, &mut analyze).await;
                 observe::board::set_phase(observe::board::Phase::Consuming);
                 break;
             };
@@ -1073,8 +1123,9 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         for ((topic, partition), offset) in &next {
             tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
         }
-        if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
-            // After a rebalance the new owner re-reads; the guard skips.
+        // Asynchronous: the next batch need not wait for the broker's
+        // answer (a failure is reported by [`Commits`]).
+        if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
             tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
         }
         dead_letters.batch_done();
@@ -1099,6 +1150,34 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             last_sweep = Instant::now();
         }
     }
+    // The last asynchronous commit made sure of: a restart after a clean
+    // stop then redelivers nothing.
+    // Only partitions still ours: another owner's may be ahead by now.
+    let owned = consumer.assignment().unwrap_or_default();
+    let last: Vec<((String, i32), i64)> = committed
+        .lock()
+        .map(|c| {
+            c.iter()
+                .filter(|((topic, partition), _)| owned.find_partition(topic, *partition).is_some())
+                .map(|(k, v)| (k.clone(), *v))
+                .collect()
+        })
+        .unwrap_or_default();
+    if !last.is_empty() {
+        let mut tpl = TopicPartitionList::new();
+        for ((topic, partition), offset) in &last {
+            tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
+        }
+        if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
+            tracing::warn!(error = %e, "final offset commit failed; the changes will be redelivered and skipped");
+        }
+    }
+    if let Analyze::Beside {
+        running: Some(r), ..
+    } = &analyze
+    {
+        r.abort();
+    }
     lag.abort();
     if let Some(r) = reach {
         r.abort();
@@ -1110,10 +1189,28 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     Ok(())
 }
 
+/// The live consumer: its offset commits are asynchronous, so a failed
+/// one is reported here.
+type LiveConsumer = StreamConsumer<Commits>;
+
+/// See [`LiveConsumer`].
+struct Commits;
+
+impl ClientContext for Commits {}
+
+impl ConsumerContext for Commits {
+    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, _: &TopicPartitionList) {
+        if let Err(e) = result {
+            // After a rebalance the new owner re-reads; the guard skips.
+            tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
+        }
+    }
+}
+
 /// Pauses the partitions holding waiting records when the tenant quota's
 /// buffer is full, and resumes them once it has drained to half (see
 /// [`fairness`]). A resume that fails is tried again next time.
-fn apply_flow(consumer: &StreamConsumer, fair: &mut fairness::Fairness) {
+fn apply_flow(consumer: &LiveConsumer, fair: &mut fairness::Fairness) {
     let (pause, resume) = fair.flow();
     for (partitions, pausing) in [(pause, true), (resume, false)] {
         if partitions.is_empty() {

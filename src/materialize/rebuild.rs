@@ -53,8 +53,8 @@ use tokio_postgres::{Client, GenericClient};
 use super::mirror::{Mirror, Position, Statements};
 use super::view::View;
 use super::{
-    apply_batch, apply_in, decode_batch, fast_tier, prepare, refresh_statistics, DeadLetters,
-    Lookups, MaterializeError, Prepared, State,
+    apply_batch, apply_in, decode_batch, fast_tier, prepare, refresh_statistics, Analyze,
+    DeadLetters, Lookups, MaterializeError, Prepared, State,
 };
 use crate::config::{Config, DedupConfig};
 use crate::connector::incremental;
@@ -377,7 +377,7 @@ pub async fn run(
         while let Some(batch) = next_batch(&consumer, &mut positions, &ends, batch_size).await? {
             totals.read += batch.len() as u64;
             let t = apply_batch(&mut state, &mut db, &dead_letters, &batch).await?;
-            refresh_statistics(&db, &mut state).await;
+            refresh_statistics(&db, &mut state, &mut Analyze::Inline).await;
             totals.applied += t.applied;
             totals.duplicates += t.duplicates;
             totals.rejected += t.dead_lettered;

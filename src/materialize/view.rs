@@ -296,6 +296,9 @@ impl View {
         out: &mut BTreeSet<String>,
     ) -> Result<(), tokio_postgres::Error> {
         match mapping {
+            // Whether or not the row exists: a key with no row recomputes
+            // to nothing, which is what the view must hold for it.
+            Mapping::Column(col) if mirror.key_is(col) => out.extend(key.first().cloned()),
             Mapping::Column(col) => {
                 let params: Vec<&(dyn ToSql + Sync)> =
                     key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
@@ -340,6 +343,10 @@ impl View {
             return Ok(());
         }
         match mapping {
+            // See [`View::keys_of`].
+            Mapping::Column(col) if mirror.key_is(col) => {
+                out.extend(keys.iter().filter_map(|k| k.first().cloned()))
+            }
             Mapping::Column(col) => {
                 let arrays: Vec<Vec<String>> = (0..mirror.key.len())
                     .map(|n| keys.iter().map(|k| k[n].clone()).collect())
