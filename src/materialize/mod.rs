@@ -7,7 +7,8 @@
 //!   guard of [`mirror`]), tombstones and view recomputes together; a
 //!   serialization failure (another instance's batch touched what a view
 //!   read) redoes the batch. Kafka offsets are committed only after that
-//!   transaction commits. A redelivered
+//!   transaction commits (asynchronously: a commit lost to a crash means
+//!   a redelivery, never a skip). A redelivered
 //!   change (after a crash, a rebalance, a reset of the group's offsets)
 //!   carries a position that is not newer than the stored one and is
 //!   skipped; two instances racing on one key serialize on a lock.
