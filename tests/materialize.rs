@@ -464,15 +464,11 @@ pub(crate) async fn end_offsets_at(brokers: &str, topic: &str) -> i64 {
             .set("bootstrap.servers", &brokers)
             .create()
             .expect("consumer");
-        let md = consumer
-            .fetch_metadata(Some(&topic), Duration::from_secs(10))
-            .expect("metadata");
-        md.topics()
-            .iter()
-            .flat_map(|t| t.partitions())
+        partition_ids(&consumer, &topic)
+            .into_iter()
             .map(|p| {
                 consumer
-                    .fetch_watermarks(&topic, p.id(), Duration::from_secs(10))
+                    .fetch_watermarks(&topic, p, Duration::from_secs(10))
                     .expect("watermarks")
                     .1
             })
@@ -480,6 +476,19 @@ pub(crate) async fn end_offsets_at(brokers: &str, topic: &str) -> i64 {
     })
     .await
     .expect("watermarks task")
+}
+
+/// A topic's partition ids, from the broker's metadata.
+fn partition_ids(consumer: &rdkafka::consumer::BaseConsumer, topic: &str) -> Vec<i32> {
+    use rdkafka::consumer::Consumer;
+    let md = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    md.topics()
+        .iter()
+        .flat_map(|t| t.partitions())
+        .map(|p| p.id())
+        .collect()
 }
 
 /// The sum of a consumer group's committed offsets of a topic's
@@ -493,12 +502,9 @@ pub(crate) async fn committed_offsets(brokers: &str, group: &str, topic: &str) -
             .set("group.id", &group)
             .create()
             .expect("consumer");
-        let md = consumer
-            .fetch_metadata(Some(&topic), Duration::from_secs(10))
-            .expect("metadata");
         let mut tpl = rdkafka::TopicPartitionList::new();
-        for p in md.topics().iter().flat_map(|t| t.partitions()) {
-            tpl.add_partition(&topic, p.id());
+        for p in partition_ids(&consumer, &topic) {
+            tpl.add_partition(&topic, p);
         }
         let committed = consumer
             .committed_offsets(tpl, Duration::from_secs(10))

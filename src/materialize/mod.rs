@@ -1114,21 +1114,10 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         // and never past a record that waits.
         let mut next = fair.commit_points(&batch);
         fair.report(&batch, crate::connector::now_ms());
-        // A partition a rebalance gave away (its waiting records applied
-        // here anyway) is its new owner's to commit: ours could be behind.
         let owned = consumer.assignment();
-        if let Ok(owned) = &owned {
-            next.retain(|(topic, partition), _| owned.find_partition(topic, *partition).is_some());
-        }
-        let mut tpl = TopicPartitionList::new();
-        for ((topic, partition), offset) in &next {
-            tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
-        }
         // Asynchronous: the next batch need not wait for the broker's
         // answer (a failure is reported by [`Commits`]).
-        if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
-            tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
-        }
+        commit_offsets(&consumer, &mut next, owned.as_ref().ok(), CommitMode::Async)?;
         dead_letters.batch_done();
         if let (Ok(mut c), Ok(owned)) = (committed.lock(), owned) {
             c.extend(next);
@@ -1152,26 +1141,11 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         }
     }
     // The last asynchronous commit made sure of: a restart after a clean
-    // stop then redelivers nothing.
-    // Only partitions still ours: another owner's may be ahead by now.
-    let owned = consumer.assignment().unwrap_or_default();
-    let last: Vec<((String, i32), i64)> = committed
-        .lock()
-        .map(|c| {
-            c.iter()
-                .filter(|((topic, partition), _)| owned.find_partition(topic, *partition).is_some())
-                .map(|(k, v)| (k.clone(), *v))
-                .collect()
-        })
-        .unwrap_or_default();
-    if !last.is_empty() {
-        let mut tpl = TopicPartitionList::new();
-        for ((topic, partition), offset) in &last {
-            tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
-        }
-        if let Err(e) = consumer.commit(&tpl, CommitMode::Sync) {
-            tracing::warn!(error = %e, "final offset commit failed; the changes will be redelivered and skipped");
-        }
+    // stop then redelivers nothing. Only partitions known to be still ours:
+    // another owner's may be ahead by now.
+    if let Ok(owned) = consumer.assignment() {
+        let mut last = committed.lock().map(|c| c.clone()).unwrap_or_default();
+        commit_offsets(&consumer, &mut last, Some(&owned), CommitMode::Sync)?;
     }
     if let Analyze::Beside {
         running: Some(r), ..
@@ -1187,6 +1161,33 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         k.abort();
     }
     tracing::info!("stopped");
+    Ok(())
+}
+
+/// Commits `offsets` (the next offset to read per partition), keeping
+/// only the partitions in `owned` when it is known: a partition a
+/// rebalance gave away (its waiting records applied here anyway) is its
+/// new owner's to commit, and ours could be behind. A failed commit only
+/// warns: the changes are redelivered and the position guard skips them.
+fn commit_offsets(
+    consumer: &LiveConsumer,
+    offsets: &mut BTreeMap<(String, i32), i64>,
+    owned: Option<&TopicPartitionList>,
+    mode: CommitMode,
+) -> Result<(), MaterializeError> {
+    if let Some(owned) = owned {
+        offsets.retain(|(topic, partition), _| owned.find_partition(topic, *partition).is_some());
+    }
+    if offsets.is_empty() {
+        return Ok(());
+    }
+    let mut tpl = TopicPartitionList::new();
+    for ((topic, partition), offset) in offsets.iter() {
+        tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
+    }
+    if let Err(e) = consumer.commit(&tpl, mode) {
+        tracing::warn!(error = %e, "offset commit failed; the changes will be redelivered and skipped");
+    }
     Ok(())
 }
 
