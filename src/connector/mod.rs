@@ -273,10 +273,28 @@ impl Output {
         after: Option<&[Input<'_>]>,
         src: &SourceInfo<'_>,
     ) -> Result<(), RunError> {
+        if let Some(bytes) = self.emit_uncounted(codec, op, before, after, src).await? {
+            codec.meters.event(op, bytes);
+        }
+        Ok(())
+    }
+
+    /// [`Output::emit`] without counting the event in the table's meters:
+    /// returns its payload's size if it went to the changelog (not routed
+    /// as an outbox record, not quarantined), for the caller to count.
+    async fn emit_uncounted(
+        &self,
+        codec: &TableCodec,
+        op: Op,
+        before: Option<&[Input<'_>]>,
+        after: Option<&[Input<'_>]>,
+        src: &SourceInfo<'_>,
+    ) -> Result<Option<usize>, RunError> {
         let table = &codec.table;
         if codec.outbox {
             if let Some(outbox) = self.config.outbox.get(table) {
-                return self.route(codec, outbox, op, after, src).await;
+                self.route(codec, outbox, op, after, src).await?;
+                return Ok(None);
             }
         }
         let topic = &codec.topic;
@@ -302,20 +320,20 @@ impl Output {
                     _ => return Err(encode_err(e)),
                 };
                 let payload = unencodable_payload(codec, op, before, after, src);
-                return self
-                    .quarantine(
-                        topic,
-                        op,
-                        Rejected {
-                            class,
-                            error: &e.to_string(),
-                            key: None,
-                            value: &payload,
-                        },
-                        src,
-                        &[],
-                    )
-                    .await;
+                self.quarantine(
+                    topic,
+                    op,
+                    Rejected {
+                        class,
+                        error: &e.to_string(),
+                        key: None,
+                        value: &payload,
+                    },
+                    src,
+                    &[],
+                )
+                .await?;
+                return Ok(None);
             }
             Err(e) => return Err(encode_err(e)),
         };
@@ -326,23 +344,22 @@ impl Output {
                     "{size} bytes, over kafka.max_message_bytes ({})",
                     self.config.kafka.max_message_bytes
                 );
-                return self
-                    .quarantine(
-                        topic,
-                        op,
-                        Rejected {
-                            class,
-                            error: &error,
-                            key: key.as_deref(),
-                            value: &value,
-                        },
-                        src,
-                        &[],
-                    )
-                    .await;
+                self.quarantine(
+                    topic,
+                    op,
+                    Rejected {
+                        class,
+                        error: &error,
+                        key: key.as_deref(),
+                        value: &value,
+                    },
+                    src,
+                    &[],
+                )
+                .await?;
+                return Ok(None);
             }
         }
-        codec.meters.event(op, value.len());
         // The new image's tenant, else the old one's (a tenant left
         // unchanged as TOAST is only in the old image, if anywhere).
         let tenant = [after, before]
@@ -410,7 +427,7 @@ impl Output {
                     .await?;
             }
         }
-        Ok(())
+        Ok(Some(value.len()))
     }
 
     /// Routes a row of an outbox table to its domain-event topic: key =
@@ -1691,6 +1708,10 @@ async fn copy_chunk(
     // Looked up once: the registry's look-up by labels costs more than
     // the increment.
     let counted = metrics::counter!(observe::SNAPSHOT_ROWS, "table" => table.clone());
+    // Rows and bytes not yet added to the shared counters, which both copy
+    // workers would otherwise update once per row.
+    let mut tally = Tally::default();
+    let mut row: Vec<Input<'static>> = Vec::with_capacity(codec.desc.columns.len());
     while let Some(chunk) = stream.next().await {
         let chunk = chunk?;
         // Postgres sends a row per message: whole lines are parsed where
@@ -1702,14 +1723,17 @@ async fn copy_chunk(
             &buf
         };
         let mut start = 0;
-        let before = rows;
         while let Some(nl) = data[start..].iter().position(|&b| b == b'\n') {
             line.parse(&data[start..start + nl]);
-            let row: Vec<Input<'_>> = line
-                .fields()
-                .map(|f| f.map_or(Input::Null, Input::Text))
-                .collect();
-            output.emit(codec, Op::Read, None, Some(&row), &src).await?;
+            let mut fields = reuse(row);
+            fields.extend(line.fields().map(|f| f.map_or(Input::Null, Input::Text)));
+            let produced = output
+                .emit_uncounted(codec, Op::Read, None, Some(&fields), &src)
+                .await?;
+            row = reuse(fields);
+            tally.rows += 1;
+            tally.produced += u64::from(produced.is_some());
+            tally.bytes += produced.unwrap_or(0) as u64;
             rows += 1;
             start += nl + 1;
             if rows.is_multiple_of(100_000) {
@@ -1719,11 +1743,47 @@ async fn copy_chunk(
         let rest = data[start..].to_vec();
         buf.clear();
         buf.extend_from_slice(&rest);
-        counted.increment(rows - before);
-        progress.add(&table, rows - before);
+        if tally.rows >= 1024 {
+            tally.add_to(codec, &counted, progress, &table);
+        }
     }
+    tally.add_to(codec, &counted, progress, &table);
     client.batch_execute("COMMIT").await?;
     Ok(rows)
+}
+
+/// Snapshot rows copied and events produced by one copy worker since
+/// its last report to the shared counters.
+#[derive(Default)]
+struct Tally {
+    rows: u64,
+    produced: u64,
+    bytes: u64,
+}
+
+impl Tally {
+    fn add_to(
+        &mut self,
+        codec: &TableCodec,
+        counted: &metrics::Counter,
+        progress: &Progress,
+        table: &str,
+    ) {
+        if self.rows == 0 {
+            return;
+        }
+        codec.meters.events(Op::Read, self.produced, self.bytes);
+        counted.increment(self.rows);
+        progress.add(table, self.rows);
+        *self = Tally::default();
+    }
+}
+
+/// An emptied row buffer for rows of another lifetime: the allocation is
+/// kept (a collect in place), so a copy worker allocates none per row.
+fn reuse<'b>(mut row: Vec<Input<'_>>) -> Vec<Input<'b>> {
+    row.clear();
+    row.into_iter().map(|_| Input::Null).collect()
 }
 
 /// Per-transaction state of the stream.
@@ -2276,6 +2336,17 @@ async fn on_message(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reused_row_buffer_keeps_its_allocation() {
+        let line = b"42".to_vec();
+        let row = vec![Input::Text(&line); 5];
+        let (ptr, capacity) = (row.as_ptr() as usize, row.capacity());
+        let again: Vec<Input<'static>> = reuse(row);
+        assert!(again.is_empty());
+        assert_eq!(again.capacity(), capacity);
+        assert_eq!(again.as_ptr() as usize, ptr, "reallocated");
+    }
 
     #[test]
     fn outages_restart_the_connector_and_everything_else_stops_it() {

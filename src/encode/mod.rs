@@ -441,10 +441,7 @@ impl TableCodec {
         datum::string(&mut out, src.db);
         datum::branch(&mut out, 1);
         let mut text = Text::default();
-        datum::string(
-            &mut out,
-            text.format(format_args!("[\"{}\",\"{}\"]", pos.commit_lsn, src.lsn)),
-        );
+        datum::string(&mut out, text.sequence(pos.commit_lsn, src.lsn));
         datum::string(&mut out, &self.desc.schema);
         datum::string(&mut out, &self.desc.table);
         opt_long(&mut out, src.tx_id.map(i64::from));
@@ -459,10 +456,7 @@ impl TableCodec {
             None => datum::branch(&mut out, 0),
             Some(xid) => {
                 datum::branch(&mut out, 1);
-                datum::string(
-                    &mut out,
-                    text.format(format_args!("{xid}:{}", pos.commit_lsn)),
-                );
+                datum::string(&mut out, text.transaction_id(xid, pos.commit_lsn));
                 datum::long(&mut out, pos.seq as i64);
                 datum::long(&mut out, src.table_order as i64);
             }
@@ -471,26 +465,56 @@ impl TableCodec {
     }
 }
 
-/// A stack buffer for the short strings of an envelope (positions, ids):
-/// formatted without an allocation per event.
+/// A stack buffer for the short strings of an envelope (positions, ids),
+/// written with `itoa`: no allocation and no formatting machinery per
+/// event. The longest, two u64 and seven characters, fits.
 struct Text {
     buf: [u8; 64],
+    len: usize,
 }
 
 impl Default for Text {
     fn default() -> Text {
-        Text { buf: [0; 64] }
+        Text {
+            buf: [0; 64],
+            len: 0,
+        }
     }
 }
 
 impl Text {
-    fn format(&mut self, args: std::fmt::Arguments<'_>) -> &str {
-        use std::io::Write;
-        let mut cursor = std::io::Cursor::new(&mut self.buf[..]);
-        // Two u64 and a few characters: always fit.
-        let _ = cursor.write_fmt(args);
-        let len = cursor.position() as usize;
-        std::str::from_utf8(&self.buf[..len]).unwrap_or_default()
+    fn push(&mut self, s: &str) {
+        self.buf[self.len..self.len + s.len()].copy_from_slice(s.as_bytes());
+        self.len += s.len();
+    }
+
+    fn push_int(&mut self, n: impl itoa::Integer) {
+        self.push(itoa::Buffer::new().format(n));
+    }
+
+    fn as_str(&self) -> &str {
+        // Only ASCII was pushed.
+        std::str::from_utf8(&self.buf[..self.len]).unwrap_or_default()
+    }
+
+    /// Debezium's `source.sequence`: `["<commit LSN>","<LSN>"]`.
+    fn sequence(&mut self, commit_lsn: u64, lsn: u64) -> &str {
+        self.len = 0;
+        self.push("[\"");
+        self.push_int(commit_lsn);
+        self.push("\",\"");
+        self.push_int(lsn);
+        self.push("\"]");
+        self.as_str()
+    }
+
+    /// Debezium's transaction id: `<xid>:<commit LSN>`.
+    fn transaction_id(&mut self, xid: u32, commit_lsn: u64) -> &str {
+        self.len = 0;
+        self.push_int(xid);
+        self.push(":");
+        self.push_int(commit_lsn);
+        self.as_str()
     }
 }
 
@@ -773,6 +797,32 @@ mod tests {
             panic!("not a record");
         };
         assert_eq!(fields[3], ("op".into(), Value::String("u".into())));
+        let field = |fields: &[(String, Value)], name: &str| {
+            fields
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v.clone())
+        };
+        let Some(Value::Record(source)) = field(&fields, "source") else {
+            panic!("source missing: {:?}", fields[2]);
+        };
+        assert_eq!(
+            field(&source, "sequence"),
+            Some(Value::Union(
+                1,
+                Box::new(Value::String("[\"100\",\"90\"]".into()))
+            ))
+        );
+        let Some(Value::Union(1, transaction)) = field(&fields, "transaction") else {
+            panic!("transaction missing: {:?}", fields[5]);
+        };
+        let Value::Record(transaction) = *transaction else {
+            panic!("transaction not a record");
+        };
+        assert_eq!(
+            field(&transaction, "id"),
+            Some(Value::String("7:100".into()))
+        );
         let Value::Union(1, after) = &fields[1].1 else {
             panic!("after missing: {:?}", fields[1]);
         };
@@ -787,6 +837,24 @@ mod tests {
         let key = codec.encode_key(&row)?;
         assert_eq!(&key[..5], &[0, 0, 0, 0, 1]);
         Ok(())
+    }
+
+    #[test]
+    fn envelope_strings_fit_the_largest_positions() {
+        let mut text = Text::default();
+        assert_eq!(
+            text.sequence(u64::MAX, 0),
+            "[\"18446744073709551615\",\"0\"]"
+        );
+        assert_eq!(
+            text.transaction_id(u32::MAX, u64::MAX),
+            "4294967295:18446744073709551615"
+        );
+        assert_eq!(
+            text.sequence(u64::MAX, u64::MAX).len(),
+            2 * 20 + 7,
+            "the longest sequence"
+        );
     }
 
     #[test]
