@@ -86,13 +86,18 @@ async fn readyz_is_ready_only_while_streaming_and_flips_back_when_a_stop_is_requ
     // the drain waits for Kafka; alive all along; and nothing lost.
     support::wait_streaming(&client, &db.name).await;
     broker.freeze();
+    // The position inside the transaction, before its commit: the drain
+    // confirms the commit's end, past it. One read after the commit could
+    // land past WAL that other tests' databases wrote since, which a
+    // connector stopped right after the commit has not seen.
     client
         .batch_execute(
-            "INSERT INTO public.t SELECT g, 'row-value-' || g FROM generate_series(1, 50) g",
+            "BEGIN; INSERT INTO public.t SELECT g, 'row-value-' || g FROM generate_series(1, 50) g",
         )
         .await
         .expect("insert");
     let written = insert_lsn(&client).await;
+    client.batch_execute("COMMIT").await.expect("commit");
     // The rows reached the connector (handed to the producer, which
     // cannot deliver them) before the stop.
     wait_until("50 events produced", async || {
