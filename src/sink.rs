@@ -30,7 +30,7 @@
 //!  watch<confirmed LSN> ◄── marks below the acked prefix ◄── delivery callback: seq done
 //! ```
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -663,6 +663,8 @@ pub struct BulkProducer {
     /// The first failed delivery: a `OnceLock`, so every send checks for
     /// one without a lock (two copy workers would contend on a mutex).
     failed: Arc<std::sync::OnceLock<String>>,
+    /// Partition counts of the warmed topics, for [`BulkProducer::partition_hint`].
+    partitions: Arc<HashMap<String, i32>>,
 }
 
 impl std::fmt::Debug for BulkProducer {
@@ -696,22 +698,40 @@ impl BulkProducer {
         Ok(BulkProducer {
             inner: cc.create_with_context(BulkDeliveries(failed.clone()))?,
             failed,
+            partitions: Arc::default(),
         })
     }
 
     /// Waits until the producer holds the metadata of `topics`: until then
     /// librdkafka keeps the rows in its queue, which fills within a fraction
-    /// of a second and holds every copy behind it while it connects.
-    pub async fn warm(&self, topics: Vec<String>) -> Result<(), KafkaError> {
+    /// of a second and holds every copy behind it while it connects. Keeps
+    /// their partition counts for [`BulkProducer::partition_hint`].
+    pub async fn warm(&mut self, topics: Vec<String>) -> Result<(), KafkaError> {
         let p = self.inner.clone();
-        blocking(move || {
+        let counts = blocking(move || {
+            let mut counts = HashMap::new();
             for topic in &topics {
-                p.client()
+                let metadata = p
+                    .client()
                     .fetch_metadata(Some(topic), Duration::from_secs(30))?;
+                if let Some(t) = metadata.topics().first() {
+                    counts.insert(topic.clone(), t.partitions().len() as i32);
+                }
             }
-            Ok(())
+            Ok(counts)
         })
-        .await
+        .await?;
+        self.partitions = Arc::new(counts);
+        Ok(())
+    }
+
+    /// The partition librdkafka's partitioner will most likely pick for
+    /// `key` in a warmed `topic` (the count read at [`BulkProducer::warm`]),
+    /// to order sends by; `None` for a topic not warmed or a null key. Only
+    /// a hint: the partitioner still places every record.
+    pub fn partition_hint(&self, topic: &str, key: Option<&[u8]>) -> Option<i32> {
+        let n = *self.partitions.get(topic).filter(|n| **n > 0)?;
+        Some(partition_for(key?, n))
     }
 
     fn failure(&self) -> Option<String> {
@@ -1137,6 +1157,44 @@ impl Acks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_partition_hint_is_the_partitioners_pick_for_warmed_topics_only() {
+        let config = crate::config::Config::from_toml(
+            r#"
+name = "shop"
+[source]
+url = "postgres://app@127.0.0.1:5432/shop"
+slot = "pgcdc_shop"
+publication = "pgcdc_shop"
+tables = ["public.orders"]
+[kafka]
+brokers = "127.0.0.1:9"
+topic_prefix = "shop"
+[registry]
+url = "http://127.0.0.1:8081"
+"#,
+            "test.toml",
+            &[],
+        )
+        .expect("config");
+        let mut bulk = BulkProducer::create(&config.kafka).expect("producer");
+        assert_eq!(bulk.partition_hint("t", Some(b"k")), None, "not warmed");
+        bulk.partitions = Arc::new(HashMap::from([("t".to_string(), 7), ("e".to_string(), 0)]));
+        for key in [&b"k"[..], b"order-1", b""] {
+            assert_eq!(
+                bulk.partition_hint("t", Some(key)),
+                Some(partition_for(key, 7))
+            );
+        }
+        assert_eq!(bulk.partition_hint("t", None), None, "a null key");
+        assert_eq!(
+            bulk.partition_hint("e", Some(b"k")),
+            None,
+            "no partitions read"
+        );
+        assert_eq!(bulk.partition_hint("u", Some(b"k")), None, "another topic");
+    }
 
     fn ok(acks: &Acks, seq: u64) {
         acks.window.complete(seq, Ok(()));

@@ -456,6 +456,9 @@ impl Output {
         let Some(bulk) = &self.bulk else {
             return Ok(());
         };
+        by_partition(stage, &codec.topic, |topic, key| {
+            bulk.partition_hint(topic, key)
+        });
         for r in stage.drain(..) {
             let topic = r.topic.as_deref().unwrap_or(&codec.topic);
             bulk.send(
@@ -1528,7 +1531,7 @@ async fn run_snapshot(
     let bulk = if output.producer.is_transactional() {
         output.clone()
     } else {
-        let bulk = sink::BulkProducer::create(&config.kafka)?;
+        let mut bulk = sink::BulkProducer::create(&config.kafka)?;
         bulk.warm(plans.iter().map(|p| p.codec.topic.clone()).collect())
             .await?;
         Output {
@@ -1818,6 +1821,24 @@ struct Staged {
     key: Option<Vec<u8>>,
     value: Vec<u8>,
     headers: Option<rdkafka::message::OwnedHeaders>,
+}
+
+/// Puts each partition's staged records together, in their order (a
+/// stable sort, so a key's records keep theirs): librdkafka then appends
+/// runs to one partition's queue, and a batch holds messages allocated
+/// together, which its broker thread copies and acknowledges from warm
+/// caches. The partition is the record's own or `hint`'s for its topic
+/// (`topic` unless it names another) and key; records without one go
+/// first.
+fn by_partition(
+    stage: &mut [Staged],
+    topic: &str,
+    hint: impl Fn(&str, Option<&[u8]>) -> Option<i32>,
+) {
+    stage.sort_by_cached_key(|r| {
+        r.partition
+            .or_else(|| hint(r.topic.as_deref().unwrap_or(topic), r.key.as_deref()))
+    });
 }
 
 /// Snapshot rows copied and events produced by one copy worker since
@@ -2414,6 +2435,34 @@ mod tests {
         assert!(again.is_empty());
         assert_eq!(again.capacity(), capacity);
         assert_eq!(again.as_ptr() as usize, ptr, "reallocated");
+    }
+
+    #[test]
+    fn staged_records_go_partition_by_partition_each_in_its_order() {
+        let staged =
+            |topic: Option<&str>, partition: Option<i32>, key: Option<&str>, n: u8| Staged {
+                topic: topic.map(Arc::from),
+                partition,
+                key: key.map(|k| k.as_bytes().to_vec()),
+                value: vec![n],
+                headers: None,
+            };
+        // Keys named after their partition in "t"; "other" puts all in 0.
+        let mut stage = vec![
+            staged(None, None, Some("2"), 0),
+            staged(None, None, Some("1"), 1),
+            staged(None, None, Some("2"), 2),
+            staged(None, Some(0), Some("2"), 3),
+            staged(Some("other"), None, Some("2"), 4),
+            staged(None, None, None, 5),
+            staged(None, None, Some("1"), 6),
+        ];
+        by_partition(&mut stage, "t", |topic, key| {
+            let key = std::str::from_utf8(key?).ok()?;
+            Some(if topic == "t" { key.parse().ok()? } else { 0 })
+        });
+        let order: Vec<u8> = stage.iter().map(|r| r.value[0]).collect();
+        assert_eq!(order, [5, 3, 4, 1, 6, 0, 2]);
     }
 
     #[test]
