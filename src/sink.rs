@@ -663,7 +663,7 @@ pub struct BulkProducer {
     /// The first failed delivery: a `OnceLock`, so every send checks for
     /// one without a lock (two copy workers would contend on a mutex).
     failed: Arc<std::sync::OnceLock<String>>,
-    /// Partition counts of the warmed topics, for [`BulkProducer::partition_hint`].
+    /// Partition counts of the warmed topics, for [`BulkProducer::partition_count`].
     partitions: Arc<HashMap<String, i32>>,
 }
 
@@ -705,7 +705,7 @@ impl BulkProducer {
     /// Waits until the producer holds the metadata of `topics`: until then
     /// librdkafka keeps the rows in its queue, which fills within a fraction
     /// of a second and holds every copy behind it while it connects. Keeps
-    /// their partition counts for [`BulkProducer::partition_hint`].
+    /// their partition counts for [`BulkProducer::partition_count`].
     pub async fn warm(&mut self, topics: Vec<String>) -> Result<(), KafkaError> {
         let p = self.inner.clone();
         let counts = blocking(move || {
@@ -725,13 +725,13 @@ impl BulkProducer {
         Ok(())
     }
 
-    /// The partition librdkafka's partitioner will most likely pick for
-    /// `key` in a warmed `topic` (the count read at [`BulkProducer::warm`]),
-    /// to order sends by; `None` for a topic not warmed or a null key. Only
-    /// a hint: the partitioner still places every record.
-    pub fn partition_hint(&self, topic: &str, key: Option<&[u8]>) -> Option<i32> {
-        let n = *self.partitions.get(topic).filter(|n| **n > 0)?;
-        Some(partition_for(key?, n))
+    /// The partition count of a warmed `topic`, as read at
+    /// [`BulkProducer::warm`]; `None` for a topic not warmed or without
+    /// partitions. With [`partition_for`], the partition librdkafka's
+    /// partitioner will most likely pick, to order sends by; only a hint,
+    /// as the partitioner still places every record.
+    pub fn partition_count(&self, topic: &str) -> Option<i32> {
+        self.partitions.get(topic).copied().filter(|n| *n > 0)
     }
 
     fn failure(&self) -> Option<String> {
@@ -1159,7 +1159,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_partition_hint_is_the_partitioners_pick_for_warmed_topics_only() {
+    fn partition_counts_are_known_for_warmed_topics_only() {
         let config = crate::config::Config::from_toml(
             r#"
 name = "shop"
@@ -1179,21 +1179,11 @@ url = "http://127.0.0.1:8081"
         )
         .expect("config");
         let mut bulk = BulkProducer::create(&config.kafka).expect("producer");
-        assert_eq!(bulk.partition_hint("t", Some(b"k")), None, "not warmed");
+        assert_eq!(bulk.partition_count("t"), None, "not warmed");
         bulk.partitions = Arc::new(HashMap::from([("t".to_string(), 7), ("e".to_string(), 0)]));
-        for key in [&b"k"[..], b"order-1", b""] {
-            assert_eq!(
-                bulk.partition_hint("t", Some(key)),
-                Some(partition_for(key, 7))
-            );
-        }
-        assert_eq!(bulk.partition_hint("t", None), None, "a null key");
-        assert_eq!(
-            bulk.partition_hint("e", Some(b"k")),
-            None,
-            "no partitions read"
-        );
-        assert_eq!(bulk.partition_hint("u", Some(b"k")), None, "another topic");
+        assert_eq!(bulk.partition_count("t"), Some(7));
+        assert_eq!(bulk.partition_count("e"), None, "no partitions read");
+        assert_eq!(bulk.partition_count("u"), None, "another topic");
     }
 
     fn ok(acks: &Acks, seq: u64) {

@@ -456,9 +456,7 @@ impl Output {
         let Some(bulk) = &self.bulk else {
             return Ok(());
         };
-        by_partition(stage, &codec.topic, |topic, key| {
-            bulk.partition_hint(topic, key)
-        });
+        by_partition(stage, &codec.topic, |topic| bulk.partition_count(topic));
         for r in stage.drain(..) {
             let topic = r.topic.as_deref().unwrap_or(&codec.topic);
             bulk.send(
@@ -1827,17 +1825,20 @@ struct Staged {
 /// stable sort, so a key's records keep theirs): librdkafka then appends
 /// runs to one partition's queue, and a batch holds messages allocated
 /// together, which its broker thread copies and acknowledges from warm
-/// caches. The partition is the record's own or `hint`'s for its topic
-/// (`topic` unless it names another) and key; records without one go
+/// caches. The partition is the record's own, or the partitioner's pick
+/// for its key among `count` partitions of its topic (`topic` unless it
+/// names another, looked up once for the stage); records without one go
 /// first.
-fn by_partition(
-    stage: &mut [Staged],
-    topic: &str,
-    hint: impl Fn(&str, Option<&[u8]>) -> Option<i32>,
-) {
+fn by_partition(stage: &mut [Staged], topic: &str, count: impl Fn(&str) -> Option<i32>) {
+    let own = count(topic);
     stage.sort_by_cached_key(|r| {
-        r.partition
-            .or_else(|| hint(r.topic.as_deref().unwrap_or(topic), r.key.as_deref()))
+        r.partition.or_else(|| {
+            let n = match &r.topic {
+                Some(other) => count(other),
+                None => own,
+            };
+            Some(sink::partition_for(r.key.as_deref()?, n?))
+        })
     });
 }
 
@@ -2447,19 +2448,25 @@ mod tests {
                 value: vec![n],
                 headers: None,
             };
-        // Keys named after their partition in "t"; "other" puts all in 0.
+        // "t" has 3 partitions, where "a" goes to 1 and "b" to 2;
+        // "other" has one.
+        assert_eq!(
+            (sink::partition_for(b"a", 3), sink::partition_for(b"b", 3)),
+            (1, 2)
+        );
         let mut stage = vec![
-            staged(None, None, Some("2"), 0),
-            staged(None, None, Some("1"), 1),
-            staged(None, None, Some("2"), 2),
-            staged(None, Some(0), Some("2"), 3),
-            staged(Some("other"), None, Some("2"), 4),
+            staged(None, None, Some("b"), 0),
+            staged(None, None, Some("a"), 1),
+            staged(None, None, Some("b"), 2),
+            staged(None, Some(0), Some("b"), 3),
+            staged(Some("other"), None, Some("b"), 4),
             staged(None, None, None, 5),
-            staged(None, None, Some("1"), 6),
+            staged(None, None, Some("a"), 6),
         ];
-        by_partition(&mut stage, "t", |topic, key| {
-            let key = std::str::from_utf8(key?).ok()?;
-            Some(if topic == "t" { key.parse().ok()? } else { 0 })
+        by_partition(&mut stage, "t", |topic| match topic {
+            "t" => Some(3),
+            "other" => Some(1),
+            _ => None,
         });
         let order: Vec<u8> = stage.iter().map(|r| r.value[0]).collect();
         assert_eq!(order, [5, 3, 4, 1, 6, 0, 2]);

@@ -484,12 +484,7 @@ fn decimal_i128(text: &str, scale: u32) -> Option<i128> {
         Some(rest) => (true, rest),
         None => (false, text),
     };
-    // A byte search: on fields this short, a char searcher's set-up
-    // costs more than the search.
-    let (int, frac) = match body.bytes().position(|b| b == b'.') {
-        Some(i) => (&body[..i], &body[i + 1..]),
-        None => (body, ""),
-    };
+    let (int, frac) = at_point(body);
     if int.is_empty() || frac.len() > scale as usize {
         return None;
     }
@@ -504,6 +499,16 @@ fn decimal_i128(text: &str, scale: u32) -> Option<i128> {
         n = n.checked_mul(10)?;
     }
     Some(if neg { -n } else { n })
+}
+
+/// `text` before and after its first `.` (after: empty without one). A
+/// byte search: on fields this short, a char searcher's set-up costs more
+/// than the search.
+fn at_point(text: &str) -> (&str, &str) {
+    match text.bytes().position(|b| b == b'.') {
+        Some(i) => (&text[..i], &text[i + 1..]),
+        None => (text, ""),
+    }
 }
 
 /// Big-endian two's complement without redundant sign-extension bytes,
@@ -639,7 +644,7 @@ fn unscaled_digits(text: &str) -> Option<(String, u32)> {
         Some(rest) => (true, rest),
         None => (false, text),
     };
-    let (int, frac) = body.split_once('.').unwrap_or((body, ""));
+    let (int, frac) = at_point(body);
     if int.is_empty()
         || !int.bytes().all(|b| b.is_ascii_digit())
         || !frac.bytes().all(|b| b.is_ascii_digit())
@@ -765,7 +770,7 @@ fn parse_time(text: &str) -> Option<i64> {
     let h: i64 = parts.next()?.parse().ok()?;
     let m: i64 = parts.next()?.parse().ok()?;
     let sec = parts.next()?;
-    let (s, frac) = sec.split_once('.').unwrap_or((sec, ""));
+    let (s, frac) = at_point(sec);
     let s: i64 = s.parse().ok()?;
     if frac.len() > 6 || !frac.bytes().all(|b| b.is_ascii_digit()) {
         return None;
