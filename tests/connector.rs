@@ -768,6 +768,81 @@ async fn a_broker_outage_mid_snapshot_fails_it_and_the_retaken_snapshot_loses_no
     db.drop_db().await;
 }
 
+/// Sessions opened in the test database, and index scans of `public.big`'s
+/// key, as the statistics hold them (a backend adds its own when it ends
+/// or goes idle).
+async fn sessions_and_key_scans(client: &tokio_postgres::Client, db: &str) -> (i64, i64) {
+    let row = client
+        .query_one(
+            "SELECT (SELECT sessions FROM pg_stat_database WHERE datname = $1),
+                    (SELECT idx_scan FROM pg_stat_user_indexes WHERE indexrelname = 'big_pkey')",
+            &[&db],
+        )
+        .await
+        .expect("statistics");
+    (row.get(0), row.get(1))
+}
+
+/// Twenty chunks, two at a time: the copy workers reuse their source
+/// sessions from chunk to chunk (before, each chunk opened two), and on
+/// Postgres 14 and later copy heap block ranges even of a table with an
+/// integer key, without touching its index.
+#[tokio::test]
+async fn a_chunked_snapshot_reuses_its_sessions_and_copies_block_ranges() {
+    const ROWS: i64 = 40_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_reuse").await;
+    let client = db.client().await;
+    big_table(&client, ROWS).await;
+    let version: i32 = client
+        .query_one("SELECT current_setting('server_version_num')::int4", &[])
+        .await
+        .expect("version")
+        .get(0);
+    let (config, parsed) = chunked_pipeline(&stack, &db, 2_000, 2);
+    let (sessions_before, scans_before) = sessions_and_key_scans(&client, &db.name).await;
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    assert_eq!(connector.terminate().await, 0);
+    let marker = pgcdc::snapshot_marker::latest(
+        &parsed.kafka,
+        &pgcdc::snapshot_marker::topic(&parsed),
+        &db.name,
+    )
+    .await
+    .expect("marker")
+    .expect("a marker");
+    assert_eq!(
+        marker.chunks.get("public.big"),
+        Some(&20),
+        "40,000 rows in chunks of 2,000"
+    );
+    assert_eq!(marker.rows.get("public.big"), Some(&(ROWS as u64)));
+    // The connector's backends have ended; their statistics land shortly.
+    let mut counts = sessions_and_key_scans(&client, &db.name).await;
+    for _ in 0..50 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let again = sessions_and_key_scans(&client, &db.name).await;
+        if again == counts && counts.0 > sessions_before {
+            break;
+        }
+        counts = again;
+    }
+    let (sessions, scans) = counts;
+    // Besides the copies' four (two workers, each with a session on the
+    // snapshot and one that checks the columns), the connector's own:
+    // replication, preflight, the stream's. One pair per chunk would be 40.
+    assert!(
+        sessions - sessions_before <= 12,
+        "{} sessions for a snapshot of 20 chunks",
+        sessions - sessions_before
+    );
+    if version >= 140_000 {
+        assert_eq!(scans, scans_before, "a chunk scanned the key's index");
+    }
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() {
     const ROWS: usize = 50_000;
