@@ -21,8 +21,12 @@ fn main() -> ExitCode {
         .unwrap_or_else(|_| {
             tracing_subscriber::EnvFilter::new("info,tokio_postgres::connection=warn")
         });
+    // Colours only on a terminal: a log file or a collector gets plain text.
+    let colours = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none();
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colours)
         .with_writer(std::io::stderr);
     match parsed.log_format {
         cli::LogFormat::Text => logs.init(),

@@ -784,9 +784,9 @@ async fn sessions_and_key_scans(client: &tokio_postgres::Client, db: &str) -> (i
 }
 
 /// Twenty chunks, two at a time: the copy workers reuse their source
-/// sessions from chunk to chunk (before, each chunk opened two), and on
-/// Postgres 14 and later copy heap block ranges even of a table with an
-/// integer key, without touching its index.
+/// sessions from chunk to chunk (before, each chunk opened two), copy in
+/// binary, and on Postgres 14 and later copy heap block ranges even of a
+/// table with an integer key, without touching its index.
 #[tokio::test]
 async fn a_chunked_snapshot_reuses_its_sessions_and_copies_block_ranges() {
     const ROWS: i64 = 40_000;
@@ -803,7 +803,21 @@ async fn a_chunked_snapshot_reuses_its_sessions_and_copies_block_ranges() {
     let (sessions_before, scans_before) = sessions_and_key_scans(&client, &db.name).await;
     let connector = ConnectorProcess::start(&config);
     support::wait_snapshot_completed(&parsed).await;
+    let planned = connector
+        .log()
+        .lines()
+        .find(|l| l.contains("table snapshot planned") && l.contains("public.big"))
+        .map(str::to_string);
     assert_eq!(connector.terminate().await, 0);
+    let planned = planned.expect("the table's plan is logged");
+    assert!(
+        planned.contains("chunks=20") && planned.contains("format=\"binary\""),
+        "an integer table copies in binary: {planned}"
+    );
+    assert!(
+        !planned.contains('\x1b'),
+        "colours in a log file: {planned}"
+    );
     let marker = pgcdc::snapshot_marker::latest(
         &parsed.kafka,
         &pgcdc::snapshot_marker::topic(&parsed),

@@ -62,17 +62,24 @@ const SCHEMA_MARKS: &[&str] = &[
     r#""connect.name":"org.apache.kafka.connect.data.Decimal""#,
 ];
 
-#[tokio::test]
-async fn every_type_family_round_trips_without_loss() {
-    let stack = support::stack();
-    let db = TestDb::create(&stack, "types").await;
+/// A session under the settings the connector's own sessions use (so that
+/// Postgres writes values as the encoder reads them), with `schema` run.
+async fn with_schema(db: &TestDb, schema: &str) -> tokio_postgres::Client {
     let client = db.client().await;
     let settings: String = pgcdc::encode::types::SESSION_SETTINGS
         .iter()
         .map(|(k, v)| format!("SET {k} = '{v}';"))
         .collect();
     client.batch_execute(&settings).await.expect("settings");
-    client.batch_execute(SCHEMA).await.expect("schema");
+    client.batch_execute(schema).await.expect("schema");
+    client
+}
+
+#[tokio::test]
+async fn every_type_family_round_trips_without_loss() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "types").await;
+    let client = with_schema(&db, SCHEMA).await;
     client.batch_execute(ROW_TYPICAL).await.expect("row 1");
     let config = ConfigFile::write(&support::pipeline_toml(
         &stack,
@@ -357,5 +364,178 @@ async fn every_type_family_round_trips_without_loss() {
     );
     assert!(stdout.contains("decoded 3 records"), "{stdout}");
     assert!(stdout.contains("1 r n_scaled=1234567.891"), "{stdout}");
+    db.drop_db().await;
+}
+
+/// Every kind a snapshot copies in binary, at its edges: each row copied
+/// both ways encodes to the same key and envelope bytes, and each binary
+/// value renders to the text Postgres writes for it (floats aside, whose
+/// rendering is only shown; their specials are checked).
+const BINARY_SCHEMA: &str = "
+CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy');
+CREATE TABLE public.binary_kinds (
+    id bigint PRIMARY KEY, bo boolean, i2 smallint, i4 int, f4 real, f8 double precision,
+    n2 numeric(12,2), n38 numeric(38,10), n0 numeric(10,0), t text, vc varchar(5), c char(5),
+    nm name, b bytea, u uuid, d date, tm time, ts timestamp, tstz timestamptz, e public.mood
+);
+INSERT INTO public.binary_kinds VALUES
+ (1, true, -32768, -2147483648, 3.14159, 2.718281828459045, 0, 1234567890123456789012345678.0123456789,
+  100000, '', 'abc', 'ab', 'n', '\\x00ff10', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', '2024-02-29',
+  '23:59:59.999999', '2024-01-31 12:34:56.789012', '2024-01-31 12:34:56.789012+05:30', 'ok'),
+ (2, false, 32767, 2147483647, 'NaN', 'Infinity', -0.01, -0.0000000001, -7, 'ünïcödé	tab', '',
+  '', '', '', '00000000-0000-0000-0000-000000000000', '0044-03-15 BC', '24:00:00', 'infinity',
+  '-infinity', 'happy'),
+ (3, NULL, 0, 42, '-Infinity', '-0', 'NaN', 'NaN', 0, 'x', NULL, NULL, NULL, NULL, NULL,
+  'infinity', '00:00:00', '0044-03-15 12:00:00 BC', '1999-12-31 23:59:59.999999+00', NULL),
+ (4, true, 1, 1, 1e-45, 1e300, 1234567890.12, 0.5, 1, 'y', 'z', 'zzzzz', 'name', '\\x', NULL,
+  '10000-01-01', '12:30:00.5', '10000-01-01 00:00:00', '0001-01-01 00:00:00+00', 'sad'),
+ (5, NULL, NULL, NULL, '-0', 'NaN', 0.5, -1, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+  '-infinity', NULL, '1969-12-31 23:59:59.999999', '0001-01-01 00:00:00+00'::timestamptz - interval '1 day', NULL),
+ (6, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+  '1970-01-01', NULL, '2000-01-01 00:00:00', '9999-12-31 23:59:59.999999+00', NULL);";
+
+#[tokio::test]
+async fn binary_copy_values_encode_as_their_text_does() {
+    use futures_util::TryStreamExt;
+    use pgcdc::encode::binary::{self, Form};
+    use pgcdc::encode::types::Input;
+    use pgcdc::source::catalog::{self, CopyBinary, CopyStep};
+
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "binkinds").await;
+    let client = with_schema(&db, BINARY_SCHEMA).await;
+    let (_, desc) = catalog::describe(&client, "public", "binary_kinds")
+        .await
+        .expect("describe")
+        .expect("table");
+    let mut codec =
+        pgcdc::encode::TableCodec::new("t.public.binary_kinds", desc.clone()).expect("codec");
+    codec.set_ids(1, 2);
+    let forms = codec.binary_forms().expect("every column copies in binary");
+    assert_eq!(
+        forms[desc.columns.iter().position(|c| c.name == "t").expect("t")],
+        Form::Text
+    );
+    assert_eq!(
+        forms[desc
+            .columns
+            .iter()
+            .position(|c| c.name == "n2")
+            .expect("n2")],
+        Form::Binary
+    );
+
+    let copy = |format: &'static str| {
+        let client = &client;
+        async move {
+            let stream = client
+                .copy_out(&format!(
+                    "COPY (SELECT * FROM public.binary_kinds ORDER BY id) TO STDOUT{format}"
+                ))
+                .await
+                .expect("copy");
+            let chunks: Vec<bytes::Bytes> = stream.try_collect().await.expect("copy data");
+            chunks.concat()
+        }
+    };
+    let text_data = copy("").await;
+    let text_rows: Vec<Vec<Option<Vec<u8>>>> = text_data
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(catalog::copy_fields)
+        .collect();
+    let binary_data = copy(" (FORMAT binary)").await;
+    // Fed a byte at a time at first: a row or header cut anywhere waits
+    // for the rest.
+    let mut reader = CopyBinary::default();
+    for cut in 0..40 {
+        assert_eq!(
+            reader.next(&binary_data[..cut], 0),
+            Ok(None),
+            "cut at {cut}"
+        );
+    }
+    let mut binary_rows: Vec<Vec<Option<Vec<u8>>>> = Vec::new();
+    let mut at = 0;
+    loop {
+        match reader.next(&binary_data, at).expect("binary COPY") {
+            Some(CopyStep::Row(end)) => {
+                binary_rows.push(
+                    reader
+                        .fields(&binary_data)
+                        .map(|f| f.map(<[u8]>::to_vec))
+                        .collect(),
+                );
+                at = end;
+            }
+            Some(CopyStep::End(end)) => {
+                assert_eq!(end, binary_data.len(), "nothing after the trailer");
+                break;
+            }
+            None => panic!("the binary COPY ends mid-row at {at}"),
+        }
+    }
+    assert_eq!(binary_rows.len(), 6);
+    assert_eq!(text_rows.len(), 6);
+
+    let src = pgcdc::encode::SourceInfo {
+        connector_name: "t",
+        db: "d",
+        position: pgcdc::encode::Position {
+            commit_lsn: 1,
+            seq: 0,
+        },
+        lsn: 1,
+        tx_id: None,
+        ts_ms: 0,
+        snapshot: "true",
+        table_order: 0,
+    };
+    for (text_row, binary_row) in text_rows.iter().zip(&binary_rows) {
+        let id = String::from_utf8_lossy(text_row[0].as_deref().expect("id")).into_owned();
+        let as_text: Vec<Input<'_>> = text_row
+            .iter()
+            .map(|f| f.as_deref().map_or(Input::Null, Input::Text))
+            .collect();
+        let as_binary: Vec<Input<'_>> = binary_row
+            .iter()
+            .zip(&forms)
+            .map(|(f, form)| match (f.as_deref(), form) {
+                (None, _) => Input::Null,
+                (Some(b), Form::Text) => Input::Text(b),
+                (Some(b), Form::Binary) => Input::Binary(b),
+            })
+            .collect();
+        let encode = |row: &[Input<'_>]| {
+            (
+                codec.encode_key(row).expect("key"),
+                codec
+                    .encode_value(pgcdc::encode::Op::Read, None, Some(row), &src)
+                    .expect("value"),
+            )
+        };
+        assert_eq!(encode(&as_binary), encode(&as_text), "row {id}");
+        for ((c, t), b) in desc.columns.iter().zip(text_row).zip(binary_row) {
+            let kind = c.kind();
+            let (Some(t), Some(b)) = (t, b) else {
+                assert_eq!(t.is_none(), b.is_none(), "row {id} column {}: NULL", c.name);
+                continue;
+            };
+            let shown = binary::text(&kind, b).unwrap_or_default();
+            let float = matches!(
+                kind,
+                pgcdc::encode::types::Kind::Float32 | pgcdc::encode::types::Kind::Float64
+            );
+            let finite = !matches!(t.as_slice(), b"NaN" | b"Infinity" | b"-Infinity");
+            if binary::form(c.type_oid, &kind) == Some(Form::Binary) && !(float && finite) {
+                assert_eq!(
+                    shown,
+                    String::from_utf8_lossy(t),
+                    "row {id} column {}: rendered text",
+                    c.name
+                );
+            }
+        }
+    }
     db.drop_db().await;
 }

@@ -21,6 +21,7 @@
 //!  Change ──► Avro values ──► [0][id][datum]
 //! ```
 
+pub mod binary;
 pub mod datum;
 pub mod types;
 
@@ -357,6 +358,16 @@ impl TableCodec {
     pub fn set_ids(&mut self, key_id: u32, value_id: u32) {
         self.key_id = Some(key_id);
         self.value_id = Some(value_id);
+    }
+
+    /// Each column's form in a binary COPY, when every column has one.
+    pub fn binary_forms(&self) -> Option<Vec<binary::Form>> {
+        self.desc
+            .columns
+            .iter()
+            .zip(&self.kinds)
+            .map(|(c, k)| binary::form(c.type_oid, k))
+            .collect()
     }
 
     pub fn ids(&self) -> Option<(u32, u32)> {

@@ -367,6 +367,21 @@ pub enum Input<'a> {
     Null,
     Unchanged,
     Text(&'a [u8]),
+    /// Postgres's binary format of a [`super::binary::Form::Binary`] kind
+    /// (a snapshot's binary COPY).
+    Binary(&'a [u8]),
+}
+
+impl Input<'_> {
+    /// The value's text: its own, or Postgres's text of a binary one
+    /// (`None` for bytes that are not a value of `kind`).
+    pub fn text(&self, kind: &Kind) -> Option<std::borrow::Cow<'_, [u8]>> {
+        match self {
+            Input::Text(t) => Some((*t).into()),
+            Input::Binary(b) => super::binary::text(kind, b).map(|t| t.into_bytes().into()),
+            Input::Null | Input::Unchanged => None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -396,6 +411,13 @@ pub fn convert(kind: &Kind, layout: &Layout, input: Input<'_>) -> Result<Value, 
             Box::new(Value::Enum(0, UNCHANGED_SYMBOL.to_string())),
         )),
         Input::Unchanged => Err(ConvertError::UnexpectedUnchanged),
+        // What write_direct declined: through Postgres's text of it.
+        Input::Binary(bytes) => match super::binary::text(kind, bytes) {
+            Some(text) => convert(kind, layout, Input::Text(text.as_bytes())),
+            None => Err(ConvertError::Unparsable {
+                kind: format!("{kind:?} (binary)"),
+            }),
+        },
         Input::Text(bytes) => {
             let bad = || ConvertError::Unparsable {
                 kind: format!("{kind:?}"),
@@ -429,6 +451,17 @@ pub fn write_direct(out: &mut Vec<u8>, kind: &Kind, layout: &Layout, input: Inpu
             return true;
         }
         Input::Text(bytes) => bytes,
+        Input::Binary(bytes) => {
+            let mark = out.len();
+            if layout.is_union() {
+                datum::branch(out, layout.value_index());
+            }
+            if super::binary::write(out, kind, bytes).is_none() {
+                out.truncate(mark);
+                return false;
+            }
+            return true;
+        }
         _ => return false,
     };
     let Ok(text) = std::str::from_utf8(bytes) else {
@@ -513,7 +546,7 @@ fn at_point(text: &str) -> (&str, &str) {
 
 /// Big-endian two's complement without redundant sign-extension bytes,
 /// as [`twos_complement`] gives it.
-fn minimal_be(b: &[u8]) -> &[u8] {
+pub(crate) fn minimal_be(b: &[u8]) -> &[u8] {
     let mut i = 0;
     while i + 1 < b.len()
         && ((b[i] == 0 && b[i + 1] & 0x80 == 0) || (b[i] == 0xFF && b[i + 1] & 0x80 != 0))

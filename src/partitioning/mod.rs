@@ -174,10 +174,7 @@ pub fn key_label(codec: &TableCodec, row: &[Input<'_>]) -> String {
         .iter()
         .zip(row)
         .filter(|(c, _)| c.key)
-        .map(|(_, v)| match v {
-            Input::Text(t) => Some(String::from_utf8_lossy(t).into_owned()),
-            Input::Null | Input::Unchanged => None,
-        })
+        .map(|(c, v)| Some(String::from_utf8_lossy(&v.text(&c.kind())?).into_owned()))
         .collect();
     match texts.as_slice() {
         [Some(one)] => one.clone(),
@@ -337,6 +334,15 @@ impl Partitioner {
         };
         t.tenant.store(tenant, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Whether events of `table` are placed by their tenant column's text.
+    pub fn has_tenant(&self, table: &str) -> bool {
+        self.tenants
+            && self
+                .tables
+                .get(table)
+                .is_some_and(|t| t.tenant.load(Ordering::Relaxed) != NO_TENANT)
     }
 
     /// The tenant of an event of `table` (the text of its tenant column in

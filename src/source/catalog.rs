@@ -214,6 +214,84 @@ impl CopyLine {
     }
 }
 
+/// Rows of a `COPY ... TO STDOUT (FORMAT binary)` stream, split into
+/// their fields where they lie: a signature and header, then per row a
+/// field count and each field's length (-1 for NULL) and bytes, then a
+/// count of -1.
+#[derive(Debug, Default)]
+pub struct CopyBinary {
+    header_read: bool,
+    /// Byte ranges of the last row's fields; `None` for NULL.
+    fields: Vec<Option<std::ops::Range<usize>>>,
+}
+
+/// What [`CopyBinary::next`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyStep {
+    /// A row, ending where given.
+    Row(usize),
+    /// The trailer, ending where given: no rows follow.
+    End(usize),
+}
+
+const COPY_SIGNATURE: &[u8] = b"PGCOPY\n\xff\r\n\0";
+
+impl CopyBinary {
+    /// Reads what starts at `at` in `data` (and the header before the
+    /// first row); `None` when `data` ends before it does, so that the
+    /// caller carries the rest over to the next message.
+    pub fn next(&mut self, data: &[u8], at: usize) -> Result<Option<CopyStep>, String> {
+        let word = |i: usize, n: usize| data.get(i..i + n);
+        let mut pos = at;
+        if !self.header_read {
+            let Some(fixed) = word(pos, COPY_SIGNATURE.len() + 8) else {
+                return Ok(None);
+            };
+            if !fixed.starts_with(COPY_SIGNATURE) {
+                return Err("binary COPY: no signature".into());
+            }
+            let ext = i32::from_be_bytes(fixed[15..19].try_into().unwrap_or_default());
+            pos += 19 + usize::try_from(ext).map_err(|_| "binary COPY: bad header")?;
+        }
+        let Some(count) = word(pos, 2) else {
+            return Ok(None);
+        };
+        let count = i16::from_be_bytes([count[0], count[1]]);
+        pos += 2;
+        self.fields.clear();
+        if count == -1 {
+            self.header_read = true;
+            return Ok(Some(CopyStep::End(pos)));
+        }
+        for _ in 0..count {
+            let Some(len) = word(pos, 4) else {
+                return Ok(None);
+            };
+            let len = i32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+            pos += 4;
+            if len < 0 {
+                self.fields.push(None);
+                continue;
+            }
+            let end = pos + len as usize;
+            if end > data.len() {
+                return Ok(None);
+            }
+            self.fields.push(Some(pos..end));
+            pos = end;
+        }
+        self.header_read = true;
+        Ok(Some(CopyStep::Row(pos)))
+    }
+
+    /// The fields of the last row read, in the `data` it was read from.
+    pub fn fields<'d>(&'d self, data: &'d [u8]) -> impl Iterator<Item = Option<&'d [u8]>> + 'd {
+        self.fields
+            .iter()
+            .map(move |f| f.as_ref().map(|r| &data[r.clone()]))
+    }
+}
+
 /// Splits one line of `COPY ... TO STDOUT` text format into its fields:
 /// `None` for `\N`, otherwise the unescaped bytes.
 pub fn copy_fields(line: &[u8]) -> Vec<Option<Vec<u8>>> {
