@@ -1772,14 +1772,20 @@ async fn copy_chunk(
         slot::quote_ident(&codec.desc.table)
     );
     // Under this chunk's own lock, the columns must still be the planned
-    // ones: COPY reads the current catalog.
+    // ones, names and types: COPY reads the current catalog, and a binary
+    // COPY is read by the planned types.
     client
         .batch_execute(&format!("LOCK TABLE {qualified} IN ACCESS SHARE MODE"))
         .await?;
     let current = sessions.take(&output.config).await?;
-    let now = catalog::column_names(&current, &codec.desc.schema, &codec.desc.table).await?;
+    let now = catalog::current_columns(&current, &codec.desc.schema, &codec.desc.table).await?;
     sessions.put(current);
-    if !now.iter().eq(codec.desc.columns.iter().map(|c| &c.name)) {
+    let planned = codec
+        .desc
+        .columns
+        .iter()
+        .map(|c| (c.name.clone(), c.type_oid, c.type_modifier));
+    if !now.into_iter().eq(planned) {
         return Err(RunError::Snapshot {
             table,
             message: "its columns changed during the snapshot (DDL); the next start takes the snapshot again".into(),
@@ -1809,7 +1815,12 @@ async fn copy_chunk(
     let started = std::time::Instant::now();
     let mut buf: Vec<u8> = Vec::new();
     let mut line = catalog::CopyLine::default();
-    let mut binary_rows = catalog::CopyBinary::default();
+    let mut binary_rows = catalog::CopyBinary::new(codec.desc.columns.len());
+    // Bytes of the COPY data before `data`'s first, for errors; and
+    // whether a binary COPY's trailer came (a stream cut short must not
+    // pass for a complete chunk).
+    let mut read: u64 = 0;
+    let mut ended = false;
     let mut rows: u64 = 0;
     let src = SourceInfo {
         connector_name: &output.config.name,
@@ -1845,19 +1856,23 @@ async fn copy_chunk(
         let mut start = 0;
         loop {
             let mut fields = reuse(row);
-            let end =
-                match &forms {
-                    None => data[start..].iter().position(|&b| b == b'\n').map(|nl| {
-                        line.parse(&data[start..start + nl]);
-                        fields.extend(line.fields().map(|f| f.map_or(Input::Null, Input::Text)));
-                        start + nl + 1
-                    }),
-                    Some(forms) => match binary_rows.next(data, start).map_err(|message| {
-                        RunError::Snapshot {
+            let end = match &forms {
+                None => data[start..].iter().position(|&b| b == b'\n').map(|nl| {
+                    line.parse(&data[start..start + nl]);
+                    fields.extend(line.fields().map(|f| f.map_or(Input::Null, Input::Text)));
+                    start + nl + 1
+                }),
+                Some(forms) => {
+                    match binary_rows
+                        .next(data, start)
+                        .map_err(|e| RunError::Snapshot {
                             table: table.clone(),
-                            message,
-                        }
-                    })? {
+                            message: format!(
+                                "{} (byte {} of a chunk)",
+                                e.message,
+                                read + e.at as u64
+                            ),
+                        })? {
                         Some(catalog::CopyStep::Row(end)) => {
                             fields.extend(binary_rows.fields(data).zip(forms).map(|(f, form)| {
                                 match f {
@@ -1869,12 +1884,14 @@ async fn copy_chunk(
                             Some(end)
                         }
                         Some(catalog::CopyStep::End(end)) => {
+                            ended = true;
                             start = end;
                             None
                         }
                         None => None,
-                    },
-                };
+                    }
+                }
+            };
             let Some(end) = end else {
                 row = reuse(fields);
                 break;
@@ -1899,6 +1916,7 @@ async fn copy_chunk(
                 progress.log(&table, rows, started);
             }
         }
+        read += start as u64;
         let rest = data[start..].to_vec();
         buf.clear();
         buf.extend_from_slice(&rest);
@@ -1908,6 +1926,20 @@ async fn copy_chunk(
         if tally.rows >= 1024 {
             tally.add_to(codec, &counted, progress, &table);
         }
+    }
+    if !buf.is_empty() || (forms.is_some() && !ended) {
+        let at = read + buf.len() as u64;
+        return Err(RunError::Snapshot {
+            table,
+            message: format!(
+                "its COPY data ended at byte {at} of a chunk, {}",
+                if buf.is_empty() {
+                    "without the binary trailer"
+                } else {
+                    "inside a row"
+                }
+            ),
+        });
     }
     output.send_staged(codec, &mut staged).await?;
     tally.add_to(codec, &counted, progress, &table);

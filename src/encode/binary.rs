@@ -121,21 +121,23 @@ fn fixed<const N: usize>(b: &[u8]) -> Option<&[u8; N]> {
 
 /// Postgres's text of a [`Form::Binary`] value of `kind`, under the
 /// session settings the text path assumes; `None` for bytes that are not
-/// one. Exact for every kind but floats, whose text is Rust's shortest
-/// (it is only shown, never parsed: [`write`] takes every float).
+/// one. Floats' text is only shown (a dead-lettered row's payload, a hot
+/// key's label), never parsed: [`write`] takes every float.
 pub fn text(kind: &Kind, b: &[u8]) -> Option<String> {
     Some(match kind {
         Kind::Bool => if *fixed::<1>(b)? != [0] { "t" } else { "f" }.to_string(),
         Kind::Int16 => i16::from_be_bytes(*fixed(b)?).to_string(),
         Kind::Int32 => i32::from_be_bytes(*fixed(b)?).to_string(),
         Kind::Int64 => i64::from_be_bytes(*fixed(b)?).to_string(),
+        // Postgres (and printf) switch to an exponent below 1e-4 and from
+        // 1e6 (real) or 1e15 (double).
         Kind::Float32 => {
             let f = f32::from_be_bytes(*fixed(b)?);
-            float(f.into(), f.to_string())
+            float(f.into(), || shortest(&format!("{f:e}"), 6))
         }
         Kind::Float64 => {
             let f = f64::from_be_bytes(*fixed(b)?);
-            float(f, f.to_string())
+            float(f, || shortest(&format!("{f:e}"), 15))
         }
         Kind::Decimal { .. } => Numeric::read(b)?.text(),
         Kind::Bytes => {
@@ -209,14 +211,42 @@ fn clock(micros: i64) -> String {
 }
 
 /// Postgres's words for the specials, else `shown`.
-fn float(f: f64, shown: String) -> String {
+fn float(f: f64, shown: impl FnOnce() -> String) -> String {
     if f.is_nan() {
         "NaN".into()
     } else if f.is_infinite() {
         if f > 0.0 { "Infinity" } else { "-Infinity" }.into()
     } else {
-        shown
+        shown()
     }
+}
+
+/// A float's shortest round-trip digits (Rust's `{:e}`, as Postgres's
+/// Ryu gives them under `extra_float_digits` > 0) laid out as Postgres
+/// lays them out: plain from 1e-4 up to `10^plain_below`, else `d.ddde+XX`
+/// with at least two exponent digits.
+fn shortest(sci: &str, plain_below: i32) -> String {
+    let (mantissa, exponent) = sci.split_once('e').unwrap_or((sci, "0"));
+    let exponent: i32 = exponent.parse().unwrap_or(0);
+    let (sign, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => ("-", m),
+        None => ("", mantissa),
+    };
+    if !(-4..plain_below).contains(&exponent) {
+        let e_sign = if exponent < 0 { '-' } else { '+' };
+        return format!("{sign}{mantissa}e{e_sign}{:02}", exponent.unsigned_abs());
+    }
+    let digits: String = mantissa.chars().filter(char::is_ascii_digit).collect();
+    let point = exponent + 1;
+    let body = if point <= 0 {
+        format!("0.{}{digits}", "0".repeat(point.unsigned_abs() as usize))
+    } else if digits.len() <= point as usize {
+        format!("{digits}{}", "0".repeat(point as usize - digits.len()))
+    } else {
+        let (int, frac) = digits.split_at(point as usize);
+        format!("{int}.{frac}")
+    };
+    format!("{sign}{body}")
 }
 
 /// A uuid's 16 bytes as Postgres writes them: lowercase, hyphenated.
@@ -281,13 +311,20 @@ impl<'a> Numeric<'a> {
         if u32::from(self.dscale) > scale {
             return None;
         }
-        let mut n: i128 = 0;
-        for d in self.digit_values() {
-            n = n.checked_mul(10_000)?.checked_add(d)?;
-        }
-        let ndigits = (self.digits.len() / 2) as i64;
+        let ndigits = self.digits.len() / 2;
         // The power of ten of the last digit's units, then of the scale.
-        let exponent = 4 * (i64::from(self.weight) - ndigits + 1) + i64::from(scale);
+        let mut exponent = 4 * (i64::from(self.weight) - ndigits as i64 + 1) + i64::from(scale);
+        let mut n: i128 = 0;
+        for (i, mut d) in self.digit_values().enumerate() {
+            // The last digit's zeros below the scale are padding: dropped
+            // before they are multiplied in (38 digits fit where 38 digits
+            // and three zeros would not).
+            let mut width = 4;
+            while i + 1 == ndigits && exponent < 0 && width > 0 && d % 10 == 0 {
+                (d, width, exponent) = (d / 10, width - 1, exponent + 1);
+            }
+            n = n.checked_mul(10i128.pow(width))?.checked_add(d)?;
+        }
         let ten = |e: i64| 10i128.checked_pow(u32::try_from(e).ok()?);
         n = if exponent >= 0 {
             n.checked_mul(ten(exponent)?)?
@@ -372,6 +409,20 @@ mod tests {
         let n = Numeric::read(&b).expect("numeric");
         assert_eq!(n.text(), "-0.0025");
         assert_eq!(n.unscaled(4), Some(-25));
+        // 38 digits at scale 10: the last group's three padding zeros must
+        // not overflow the i128 on the way.
+        let b = numeric(
+            6,
+            0,
+            10,
+            &[1234, 5678, 9012, 3456, 7890, 1234, 5678, 123, 4567, 8900],
+        );
+        let n = Numeric::read(&b).expect("numeric");
+        assert_eq!(n.text(), "1234567890123456789012345678.0123456789");
+        assert_eq!(
+            n.unscaled(10),
+            Some(12_345_678_901_234_567_890_123_456_780_123_456_789)
+        );
         // 1000000 (dscale 2): weight 1, digit 100 (trailing zero groups dropped).
         let b = numeric(1, 0, 2, &[100]);
         let n = Numeric::read(&b).expect("numeric");
@@ -384,6 +435,29 @@ mod tests {
         let n = Numeric::read(&b).expect("numeric");
         assert_eq!((n.text(), n.unscaled(2)), ("NaN".into(), None));
         assert!(Numeric::read(&b[..7]).is_none(), "short bytes are refused");
+    }
+
+    #[test]
+    fn floats_render_as_postgres_writes_them() {
+        let f8 = |f: f64| text(&Kind::Float64, &f.to_be_bytes()).expect("double");
+        let f4 = |f: f32| text(&Kind::Float32, &f.to_be_bytes()).expect("real");
+        // Each as `SELECT x::float8` (or `::float4`) prints it.
+        assert_eq!(f8(1e300), "1e+300");
+        assert_eq!(f8(1e-7), "1e-07");
+        assert_eq!(f8(0.0001), "0.0001");
+        assert_eq!(f8(123_456_789_012_345.0), "123456789012345");
+        assert_eq!(f8(1e15), "1e+15");
+        assert_eq!(f8(1.5e15), "1.5e+15");
+        assert_eq!(f8(std::f64::consts::E), "2.718281828459045");
+        assert_eq!(f8(-0.0), "-0");
+        assert_eq!(f8(100.0), "100");
+        assert_eq!(f8(-1.25e-5), "-1.25e-05");
+        assert_eq!(f8(f64::NEG_INFINITY), "-Infinity");
+        assert_eq!(f4(1.1), "1.1");
+        assert_eq!(f4(1e-45), "1e-45");
+        assert_eq!(f4(123_456.0), "123456");
+        assert_eq!(f4(1_234_567.0), "1.234567e+06");
+        assert_eq!(f4(f32::NAN), "NaN");
     }
 
     #[test]

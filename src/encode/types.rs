@@ -10,8 +10,9 @@
 //! not parse as its type is an error naming the type, never a guess.
 //!
 //! Sessions that produce the text run with `DateStyle=ISO`,
-//! `TimeZone=UTC`, `IntervalStyle=iso_8601`, `extra_float_digits=3` and
-//! `lc_monetary=C`, the formats parsed here ([`SESSION_SETTINGS`]).
+//! `TimeZone=UTC`, `IntervalStyle=iso_8601`, `extra_float_digits=3`,
+//! `lc_monetary=C` and `bytea_output=hex`, the formats parsed here
+//! ([`SESSION_SETTINGS`]).
 //! Domains are carried as their base type (the catalog resolves them).
 
 use apache_avro::types::Value;
@@ -28,6 +29,9 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     ("extra_float_digits", "3"),
     // `$1,234.56`: a fixed currency format, whatever the server's locale.
     ("lc_monetary", "C"),
+    // `\x...`, the only bytea text read here (a server may default to
+    // `escape`), and what a binary COPY's bytes are checked against.
+    ("bytea_output", "hex"),
 ];
 
 /// How a Postgres type is carried in Avro.
@@ -85,9 +89,13 @@ impl Kind {
             701 => Kind::Float64,
             1700 if typmod >= 4 => {
                 let t = (typmod - 4) as u32;
-                Kind::Decimal {
-                    precision: (t >> 16) & 0xFFFF,
-                    scale: t & 0x7FF,
+                let precision = (t >> 16) & 0xFFFF;
+                // An 11-bit signed scale: Postgres 15 allows one below zero
+                // or above the precision, which Avro's decimal does not.
+                let scale = ((t & 0x7FF) ^ 0x400) as i32 - 0x400;
+                match u32::try_from(scale) {
+                    Ok(scale) if scale <= precision => Kind::Decimal { precision, scale },
+                    _ => Kind::VariableDecimal,
                 }
             }
             1700 => Kind::VariableDecimal,
@@ -1206,6 +1214,22 @@ mod tests {
             }
         );
         assert_eq!(Kind::of(1700, -1, "numeric"), Kind::VariableDecimal);
+        // numeric(5,-2) and numeric(2,5) (Postgres 15): no Avro decimal.
+        assert_eq!(
+            Kind::of(1700, (5 << 16 | (-2i32 & 0x7FF)) + 4, "numeric"),
+            Kind::VariableDecimal
+        );
+        assert_eq!(
+            Kind::of(1700, (2 << 16 | 5) + 4, "numeric"),
+            Kind::VariableDecimal
+        );
+        assert_eq!(
+            Kind::of(1700, (38 << 16 | 38) + 4, "numeric"),
+            Kind::Decimal {
+                precision: 38,
+                scale: 38
+            }
+        );
         assert_eq!(Kind::of(869, -1, "inet"), Kind::Other("inet".into()));
     }
 

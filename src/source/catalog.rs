@@ -51,28 +51,37 @@ pub async fn describe(
     )))
 }
 
-/// The names of a table's columns as [`describe`] lists them, in their
-/// order, as of now; empty when no such table exists. One statement, where
-/// [`describe`] takes four: a snapshot chunk checks its columns with it.
-pub async fn column_names(
+/// A table's columns as [`describe`] lists them, in their order, as of
+/// now: name, type and typmod, domains resolved to their base type as
+/// [`columns`] resolves them; empty when no such table exists. One
+/// statement, where [`describe`] takes four: a snapshot chunk checks its
+/// columns with it (a binary COPY is read by the planned types, so a type
+/// changed without a table rewrite must not pass).
+pub async fn current_columns(
     client: &Client,
     schema: &str,
     table: &str,
-) -> Result<Vec<String>, tokio_postgres::Error> {
+) -> Result<Vec<(String, u32, i32)>, tokio_postgres::Error> {
     Ok(client
         .query(
-            "SELECT a.attname::text
-             FROM pg_attribute a
-             JOIN pg_class c ON c.oid = a.attrelid
-             JOIN pg_namespace n ON n.oid = c.relnamespace
-             WHERE n.nspname = $1 AND c.relname = $2
-               AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
-             ORDER BY a.attnum",
+            "WITH RECURSIVE a AS (
+                 SELECT a.attnum, a.attname::text AS name, a.atttypid AS oid, a.atttypmod AS typmod
+                 FROM pg_attribute a
+                 JOIN pg_class c ON c.oid = a.attrelid
+                 JOIN pg_namespace n ON n.oid = c.relnamespace
+                 WHERE n.nspname = $1 AND c.relname = $2
+                   AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''),
+             b AS (
+                 SELECT attnum, name, oid, typmod, 0 AS depth FROM a
+                 UNION ALL
+                 SELECT b.attnum, b.name, t.typbasetype, t.typtypmod, b.depth + 1
+                 FROM b JOIN pg_type t ON t.oid = b.oid WHERE t.typtype = 'd')
+             SELECT DISTINCT ON (attnum) name, oid, typmod FROM b ORDER BY attnum, depth DESC",
             &[&schema, &table],
         )
         .await?
         .iter()
-        .map(|r| r.get(0))
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
         .collect())
 }
 
@@ -217,9 +226,11 @@ impl CopyLine {
 /// Rows of a `COPY ... TO STDOUT (FORMAT binary)` stream, split into
 /// their fields where they lie: a signature and header, then per row a
 /// field count and each field's length (-1 for NULL) and bytes, then a
-/// count of -1.
-#[derive(Debug, Default)]
+/// count of -1. Anything else (a row of the wrong width, a bad length or
+/// header) is an error at its byte, never a row read short.
+#[derive(Debug)]
 pub struct CopyBinary {
+    columns: usize,
     header_read: bool,
     /// Byte ranges of the last row's fields; `None` for NULL.
     fields: Vec<Option<std::ops::Range<usize>>>,
@@ -234,46 +245,89 @@ pub enum CopyStep {
     End(usize),
 }
 
+/// A binary COPY stream that is not one: what is wrong, and where (a byte
+/// of the `data` given to [`CopyBinary::next`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyError {
+    pub at: usize,
+    pub message: String,
+}
+
 const COPY_SIGNATURE: &[u8] = b"PGCOPY\n\xff\r\n\0";
 
 impl CopyBinary {
+    /// A reader of rows of `columns` fields.
+    pub fn new(columns: usize) -> CopyBinary {
+        CopyBinary {
+            columns,
+            header_read: false,
+            fields: Vec::with_capacity(columns),
+        }
+    }
+
     /// Reads what starts at `at` in `data` (and the header before the
     /// first row); `None` when `data` ends before it does, so that the
     /// caller carries the rest over to the next message.
-    pub fn next(&mut self, data: &[u8], at: usize) -> Result<Option<CopyStep>, String> {
+    pub fn next(&mut self, data: &[u8], at: usize) -> Result<Option<CopyStep>, CopyError> {
         let word = |i: usize, n: usize| data.get(i..i + n);
+        let fail = |at: usize, message: String| Err(CopyError { at, message });
         let mut pos = at;
         if !self.header_read {
             let Some(fixed) = word(pos, COPY_SIGNATURE.len() + 8) else {
                 return Ok(None);
             };
             if !fixed.starts_with(COPY_SIGNATURE) {
-                return Err("binary COPY: no signature".into());
+                return fail(pos, "binary COPY: no signature".into());
             }
-            let ext = i32::from_be_bytes(fixed[15..19].try_into().unwrap_or_default());
-            pos += 19 + usize::try_from(ext).map_err(|_| "binary COPY: bad header")?;
+            // Bits 16 to 31 are critical: a reader that does not know one
+            // must refuse the stream (bit 16 would put an OID in each row).
+            let flags = u32::from_be_bytes([fixed[11], fixed[12], fixed[13], fixed[14]]);
+            if flags & 0xFFFF_0000 != 0 {
+                return fail(pos + 11, format!("binary COPY: header flags {flags:#010x}"));
+            }
+            let ext = i32::from_be_bytes([fixed[15], fixed[16], fixed[17], fixed[18]]);
+            let Ok(ext) = usize::try_from(ext) else {
+                return fail(
+                    pos + 15,
+                    format!("binary COPY: header extension of {ext} bytes"),
+                );
+            };
+            pos += 19 + ext;
         }
         let Some(count) = word(pos, 2) else {
             return Ok(None);
         };
         let count = i16::from_be_bytes([count[0], count[1]]);
-        pos += 2;
         self.fields.clear();
         if count == -1 {
             self.header_read = true;
-            return Ok(Some(CopyStep::End(pos)));
+            return Ok(Some(CopyStep::End(pos + 2)));
         }
+        if usize::try_from(count) != Ok(self.columns) {
+            return fail(
+                pos,
+                format!(
+                    "binary COPY: a row of {count} fields where the table has {} columns",
+                    self.columns
+                ),
+            );
+        }
+        pos += 2;
         for _ in 0..count {
             let Some(len) = word(pos, 4) else {
                 return Ok(None);
             };
             let len = i32::from_be_bytes([len[0], len[1], len[2], len[3]]);
-            pos += 4;
-            if len < 0 {
+            let Ok(n) = usize::try_from(len) else {
+                if len != -1 {
+                    return fail(pos, format!("binary COPY: a field of length {len}"));
+                }
                 self.fields.push(None);
+                pos += 4;
                 continue;
-            }
-            let end = pos + len as usize;
+            };
+            pos += 4;
+            let end = pos + n;
             if end > data.len() {
                 return Ok(None);
             }
@@ -405,6 +459,86 @@ mod tests {
         assert_eq!(fields, vec![Some(&b"x"[..]), Some(&b"A"[..])]);
         line.parse(b"");
         assert_eq!(line.fields().collect::<Vec<_>>(), vec![Some(&b""[..])]);
+    }
+
+    /// A binary COPY of `rows`, each a list of fields (`None` for NULL).
+    fn binary_copy(flags: u32, rows: &[&[Option<&[u8]>]]) -> Vec<u8> {
+        let mut b = COPY_SIGNATURE.to_vec();
+        b.extend_from_slice(&flags.to_be_bytes());
+        b.extend_from_slice(&3i32.to_be_bytes());
+        b.extend_from_slice(b"ext");
+        for row in rows {
+            b.extend_from_slice(&(row.len() as i16).to_be_bytes());
+            for field in *row {
+                match field {
+                    None => b.extend_from_slice(&(-1i32).to_be_bytes()),
+                    Some(f) => {
+                        b.extend_from_slice(&(f.len() as i32).to_be_bytes());
+                        b.extend_from_slice(f);
+                    }
+                }
+            }
+        }
+        b.extend_from_slice(&(-1i16).to_be_bytes());
+        b
+    }
+
+    fn read_all(columns: usize, data: &[u8]) -> Result<Vec<Vec<Option<Vec<u8>>>>, CopyError> {
+        let mut reader = CopyBinary::new(columns);
+        let (mut rows, mut at) = (Vec::new(), 0);
+        loop {
+            match reader.next(data, at)? {
+                Some(CopyStep::Row(end)) => {
+                    rows.push(reader.fields(data).map(|f| f.map(<[u8]>::to_vec)).collect());
+                    at = end;
+                }
+                Some(CopyStep::End(end)) if end == data.len() => return Ok(rows),
+                other => panic!("{other:?} at {at} of {}", data.len()),
+            }
+        }
+    }
+
+    #[test]
+    fn binary_copy_rows_split_into_their_fields_and_errors_name_the_byte() {
+        let data = binary_copy(0, &[&[Some(b"ab"), None, Some(b"")], &[None, None, None]]);
+        assert_eq!(
+            read_all(3, &data),
+            Ok(vec![
+                vec![Some(b"ab".to_vec()), None, Some(Vec::new())],
+                vec![None, None, None],
+            ])
+        );
+        // A row of another width is refused, not cut to the columns.
+        let error = read_all(2, &data).expect_err("three fields, two columns");
+        assert_eq!(
+            error.at, 22,
+            "the first row's field count, after the header"
+        );
+        assert!(error.message.contains("3 fields"), "{}", error.message);
+        // A critical header flag (bit 16: OIDs) is refused.
+        let error = read_all(3, &binary_copy(1 << 16, &[])).expect_err("OIDs");
+        assert_eq!(error.at, 11);
+        // Only -1 is NULL: a length of -2 is an error at its byte.
+        let mut bad = data.clone();
+        bad[24..28].copy_from_slice(&(-2i32).to_be_bytes());
+        let error = read_all(3, &bad).expect_err("length -2");
+        assert_eq!((error.at, error.message.contains("-2")), (24, true));
+        // Text COPY where binary was asked for.
+        let error = read_all(3, b"1\tabcdef\t\\N\n2\tghijkl\t\\N\n").expect_err("text");
+        assert_eq!(
+            (error.at, error.message.as_str()),
+            (0, "binary COPY: no signature")
+        );
+        // Cut anywhere before its end, the first row waits for the rest.
+        for cut in 0..38 {
+            assert_eq!(
+                CopyBinary::new(3).next(&data[..cut], 0),
+                Ok(None),
+                "cut at {cut}"
+            );
+        }
+        let first = CopyBinary::new(3).next(&data[..38], 0);
+        assert_eq!(first, Ok(Some(CopyStep::Row(38))));
     }
 
     #[test]
