@@ -857,6 +857,47 @@ async fn a_chunked_snapshot_reuses_its_sessions_and_copies_block_ranges() {
     db.drop_db().await;
 }
 
+/// A column's type changed between two chunks without a table rewrite
+/// (`text` to `varchar`: the exported snapshot still reads every row):
+/// the next chunk's check under its lock sees it and stops the connector
+/// with the table named, instead of reading the rest by the planned types.
+#[tokio::test]
+async fn a_column_type_changed_during_a_snapshot_stops_it_with_the_table_named() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_ddl").await;
+    let client = db.client().await;
+    big_table(&client, 100_000).await;
+    // Fifty chunks, one at a time: the change lands between two of them.
+    let (config, _) = chunked_pipeline(&stack, &db, 2_000, 1);
+    let mut connector = ConnectorProcess::start(&config);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !connector.log().contains("table snapshot planned") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no plan logged: {}",
+            connector.log()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Waits for the chunk in progress (its ACCESS SHARE lock); the next
+    // chunk's lock queues behind it.
+    client
+        .batch_execute("ALTER TABLE public.big ALTER COLUMN v TYPE varchar")
+        .await
+        .expect("alter");
+    let status = tokio::time::timeout(Duration::from_secs(60), connector.child.wait())
+        .await
+        .expect("the connector stops")
+        .expect("wait");
+    let log = connector.log();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains("snapshot of public.big: its columns changed during the snapshot"),
+        "{log}"
+    );
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() {
     const ROWS: usize = 50_000;
