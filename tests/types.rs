@@ -371,30 +371,32 @@ async fn every_type_family_round_trips_without_loss() {
 /// both ways encodes to the same key and envelope bytes, and each binary
 /// value renders to the text Postgres writes for it (floats aside, whose
 /// rendering is only shown; their specials are checked).
-const BINARY_SCHEMA: &str = "
+const BINARY_SCHEMA: &str = r#"
 CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy');
 CREATE DOMAIN public.cents AS numeric(8,2);
 CREATE TABLE public.binary_kinds (
     id bigint PRIMARY KEY, bo boolean, i2 smallint, i4 int, f4 real, f8 double precision,
     n2 numeric(12,2), n38 numeric(38,10), n0 numeric(10,0), t text, vc varchar(5), c char(5),
     nm name, b bytea, u uuid, d date, tm time, ts timestamp, tstz timestamptz, e public.mood,
-    dc public.cents
+    dc public.cents, j json, jb jsonb, nv numeric, o oid
 );
 INSERT INTO public.binary_kinds VALUES
  (1, true, -32768, -2147483648, 3.14159, 2.718281828459045, 0, 1234567890123456789012345678.0123456789,
-  100000, '', 'abc', 'ab', 'n', '\\x00ff10', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', '2024-02-29',
-  '23:59:59.999999', '2024-01-31 12:34:56.789012', '2024-01-31 12:34:56.789012+05:30', 'ok', 12.5),
+  100000, '', 'abc', 'ab', 'n', '\x00ff10', 'a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11', '2024-02-29',
+  '23:59:59.999999', '2024-01-31 12:34:56.789012', '2024-01-31 12:34:56.789012+05:30', 'ok', 12.5,
+  '{"a": [1, 2.50, "x y"]}', '{"b": {"c": null}, "a": 1}',
+  12345678901234567890123456789012345678901234.5678, 4294967295),
  (2, false, 32767, 2147483647, 'NaN', 'Infinity', -0.01, -0.0000000001, -7, 'ünïcödé	tab', '',
   '', '', '', '00000000-0000-0000-0000-000000000000', '0044-03-15 BC', '24:00:00', 'infinity',
-  '-infinity', 'happy', -0.01),
+  '-infinity', 'happy', -0.01, '[]', '"ünï"', 'NaN', 0),
  (3, NULL, 0, 42, '-Infinity', '-0', 'NaN', 'NaN', 0, 'x', NULL, NULL, NULL, NULL, NULL,
-  'infinity', '00:00:00', '0044-03-15 12:00:00 BC', '1999-12-31 23:59:59.999999+00', NULL, 0),
- (4, true, 1, 1, 1e-45, 1e300, 1234567890.12, 0.5, 1, 'y', 'z', 'zzzzz', 'name', '\\x', NULL,
-  '10000-01-01', '12:30:00.5', '10000-01-01 00:00:00', '0001-01-01 00:00:00+00', 'sad', 999999.99),
+  'infinity', '00:00:00', '0044-03-15 12:00:00 BC', '1999-12-31 23:59:59.999999+00', NULL, 0, 'null', 'null', 'Infinity', 1),
+ (4, true, 1, 1, 1e-45, 1e300, 1234567890.12, 0.5, 1, 'y', 'z', 'zzzzz', 'name', '\x', NULL,
+  '10000-01-01', '12:30:00.5', '10000-01-01 00:00:00', '0001-01-01 00:00:00+00', 'sad', 999999.99, '1.50', '1.50', 0.000000000000000000001, NULL),
  (5, NULL, NULL, NULL, '-0', 'NaN', 0.5, -1, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-  '-infinity', NULL, '1969-12-31 23:59:59.999999', '0001-01-01 00:00:00+00'::timestamptz - interval '1 day', NULL, NULL),
+  '-infinity', NULL, '1969-12-31 23:59:59.999999', '0001-01-01 00:00:00+00'::timestamptz - interval '1 day', NULL, NULL, NULL, NULL, '-Infinity', NULL),
  (6, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-  '1970-01-01', NULL, '2000-01-01 00:00:00', '9999-12-31 23:59:59.999999+00', NULL, -1);";
+  '1970-01-01', NULL, '2000-01-01 00:00:00', '9999-12-31 23:59:59.999999+00', NULL, -1, '{}', '{}', -123.4500, 42);"#;
 
 #[tokio::test]
 async fn binary_copy_values_encode_as_their_text_does() {
@@ -436,6 +438,17 @@ async fn binary_copy_values_encode_as_their_text_does() {
             .position(|c| c.name == "n2")
             .expect("n2")],
         Form::Binary
+    );
+    let form_of = |name: &str| {
+        forms[desc
+            .columns
+            .iter()
+            .position(|c| c.name == name)
+            .expect(name)]
+    };
+    assert_eq!(
+        [form_of("j"), form_of("jb"), form_of("nv"), form_of("o")],
+        [Form::Text, Form::Jsonb, Form::Binary, Form::Binary]
     );
 
     let copy = |format: &'static str| {
@@ -513,10 +526,9 @@ async fn binary_copy_values_encode_as_their_text_does() {
         let as_binary: Vec<Input<'_>> = binary_row
             .iter()
             .zip(&forms)
-            .map(|(f, form)| match (f.as_deref(), form) {
-                (None, _) => Input::Null,
-                (Some(b), Form::Text) => Input::Text(b),
-                (Some(b), Form::Binary) => Input::Binary(b),
+            .map(|(f, form)| {
+                f.as_deref()
+                    .map_or(Input::Null, |b| binary::input(*form, b))
             })
             .collect();
         let encode = |row: &[Input<'_>]| {
@@ -528,21 +540,28 @@ async fn binary_copy_values_encode_as_their_text_does() {
             )
         };
         assert_eq!(encode(&as_binary), encode(&as_text), "row {id}");
-        for ((c, t), b) in desc.columns.iter().zip(text_row).zip(binary_row) {
+        // Each value's text (what a dead-lettered row's payload shows) is
+        // Postgres's own, whichever form it came in.
+        for (((c, t), b), form) in desc
+            .columns
+            .iter()
+            .zip(text_row)
+            .zip(binary_row)
+            .zip(&forms)
+        {
             let kind = c.kind();
             let (Some(t), Some(b)) = (t, b) else {
                 assert_eq!(t.is_none(), b.is_none(), "row {id} column {}: NULL", c.name);
                 continue;
             };
-            let shown = binary::text(&kind, b).unwrap_or_default();
-            if binary::form(c.type_oid, &kind) == Some(Form::Binary) {
-                assert_eq!(
-                    shown,
-                    String::from_utf8_lossy(t),
-                    "row {id} column {}: rendered text",
-                    c.name
-                );
-            }
+            let input = binary::input(*form, b);
+            let shown = input.text(&kind).unwrap_or_default();
+            assert_eq!(
+                String::from_utf8_lossy(&shown),
+                String::from_utf8_lossy(t),
+                "row {id} column {}: text",
+                c.name
+            );
         }
     }
     client

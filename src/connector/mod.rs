@@ -1875,11 +1875,7 @@ async fn copy_chunk(
                         })? {
                         Some(catalog::CopyStep::Row(end)) => {
                             fields.extend(binary_rows.fields(data).zip(forms).map(|(f, form)| {
-                                match f {
-                                    None => Input::Null,
-                                    Some(b) if *form == binary::Form::Text => Input::Text(b),
-                                    Some(b) => Input::Binary(b),
-                                }
+                                f.map_or(Input::Null, |b| binary::input(*form, b))
                             }));
                             Some(end)
                         }

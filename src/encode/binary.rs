@@ -11,35 +11,55 @@
 //! itself sends and writes.
 //!
 //! ```text
-//! COPY (FORMAT binary) field ──► Form::Text (text, varchar, enum, ...) ──► text path
+//! COPY (FORMAT binary) field ──► Form::Text (text, varchar, enum, json, ...) ──► text path
+//!                           ├──► Form::Jsonb: version byte 1, then text ──► text path
 //!                           └──► Form::Binary ──► write ──(declined)──► text ──► text path
 //! ```
 
 use super::datum;
-use super::types::{civil_from_days, Kind};
+use super::types::{civil_from_days, Input, Kind};
 
 /// How a column's binary value reaches the encoder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Form {
     /// The binary value is the text itself (`text`, `varchar`, `char(n)`,
-    /// `name`, enums).
+    /// `name`, enums, `json`).
     Text,
+    /// A version byte (1), then the text (`jsonb`).
+    Jsonb,
     /// A fixed binary layout, read by [`write`] and [`text`].
     Binary,
+}
+
+/// The input a binary COPY field of `form` is.
+pub fn input(form: Form, b: &[u8]) -> Input<'_> {
+    match form {
+        Form::Text => Input::Text(b),
+        // A jsonb of another version is not text this reads: as a binary
+        // value of no known layout, it fails with its kind named.
+        Form::Jsonb => match b.split_first() {
+            Some((1, text)) => Input::Text(text),
+            _ => Input::Binary(b),
+        },
+        Form::Binary => Input::Binary(b),
+    }
 }
 
 /// The form of a column of type `oid` carried as `kind`; `None` for types
 /// read as text only (a table with one copies in text).
 pub fn form(oid: u32, kind: &Kind) -> Option<Form> {
     match (oid, kind) {
-        (25 | 1043 | 1042 | 19, Kind::Text) | (_, Kind::Enum(_)) => Some(Form::Text),
+        (25 | 1043 | 1042 | 19, Kind::Text) | (114, Kind::Json) | (_, Kind::Enum(_)) => {
+            Some(Form::Text)
+        }
+        (3802, Kind::Json) => Some(Form::Jsonb),
         (16, Kind::Bool)
         | (21, Kind::Int16)
         | (23, Kind::Int32)
-        | (20, Kind::Int64)
+        | (20 | 26, Kind::Int64)
         | (700, Kind::Float32)
         | (701, Kind::Float64)
-        | (1700, Kind::Decimal { .. })
+        | (1700, Kind::Decimal { .. } | Kind::VariableDecimal)
         | (17, Kind::Bytes)
         | (2950, Kind::Uuid)
         | (1082, Kind::Date)
@@ -63,7 +83,7 @@ pub fn write(out: &mut Vec<u8>, kind: &Kind, b: &[u8]) -> Option<()> {
         Kind::Bool => out.push(u8::from(*fixed::<1>(b)? != [0])),
         Kind::Int16 => datum::long(out, i16::from_be_bytes(*fixed(b)?).into()),
         Kind::Int32 => datum::long(out, i32::from_be_bytes(*fixed(b)?).into()),
-        Kind::Int64 => datum::long(out, i64::from_be_bytes(*fixed(b)?)),
+        Kind::Int64 => datum::long(out, int64(b)?),
         // Postgres's text of a NaN reads back as the canonical NaN.
         Kind::Float32 => {
             let f = f32::from_be_bytes(*fixed(b)?);
@@ -77,6 +97,13 @@ pub fn write(out: &mut Vec<u8>, kind: &Kind, b: &[u8]) -> Option<()> {
         }
         Kind::Decimal { scale, .. } => {
             let n = Numeric::read(b)?.unscaled(*scale)?;
+            datum::bytes(out, super::types::minimal_be(&n.to_be_bytes()));
+        }
+        // Its scale is the value's own: the digits its text shows.
+        Kind::VariableDecimal => {
+            let num = Numeric::read(b)?;
+            let n = num.unscaled(u32::from(num.dscale))?;
+            datum::long(out, i64::from(num.dscale));
             datum::bytes(out, super::types::minimal_be(&n.to_be_bytes()));
         }
         Kind::Bytes => datum::bytes(out, b),
@@ -119,6 +146,14 @@ fn fixed<const N: usize>(b: &[u8]) -> Option<&[u8; N]> {
     b.try_into().ok()
 }
 
+/// An `int8`, or an `oid` (unsigned 32 bits), both carried as a long.
+fn int64(b: &[u8]) -> Option<i64> {
+    match b.len() {
+        4 => Some(u32::from_be_bytes(*fixed(b)?).into()),
+        _ => Some(i64::from_be_bytes(*fixed(b)?)),
+    }
+}
+
 /// Postgres's text of a [`Form::Binary`] value of `kind`, under the
 /// session settings the text path assumes; `None` for bytes that are not
 /// one. Floats' text is only shown (a dead-lettered row's payload, a hot
@@ -128,7 +163,7 @@ pub fn text(kind: &Kind, b: &[u8]) -> Option<String> {
         Kind::Bool => if *fixed::<1>(b)? != [0] { "t" } else { "f" }.to_string(),
         Kind::Int16 => i16::from_be_bytes(*fixed(b)?).to_string(),
         Kind::Int32 => i32::from_be_bytes(*fixed(b)?).to_string(),
-        Kind::Int64 => i64::from_be_bytes(*fixed(b)?).to_string(),
+        Kind::Int64 => int64(b)?.to_string(),
         // Postgres (and printf) switch to an exponent below 1e-4 and from
         // 1e6 (real) or 1e15 (double).
         Kind::Float32 => {
@@ -139,7 +174,7 @@ pub fn text(kind: &Kind, b: &[u8]) -> Option<String> {
             let f = f64::from_be_bytes(*fixed(b)?);
             float(f, || shortest(&format!("{f:e}"), 15))
         }
-        Kind::Decimal { .. } => Numeric::read(b)?.text(),
+        Kind::Decimal { .. } | Kind::VariableDecimal => Numeric::read(b)?.text(),
         Kind::Bytes => {
             let mut s = String::with_capacity(2 + 2 * b.len());
             s.push_str("\\x");
