@@ -1351,6 +1351,16 @@ struct TablePlan {
     columns: String,
     /// One `WHERE` condition per chunk (`None`: the whole table at once).
     chunks: Vec<Option<String>>,
+    /// The file whose blocks the chunks name, when they are block ranges.
+    filenode: Option<u32>,
+}
+
+/// What one chunk copies: the COPY's column list, the condition on its
+/// rows (`None`: the whole table), and the file a block range names.
+struct ChunkSpec<'a> {
+    columns: &'a str,
+    condition: Option<&'a str>,
+    filenode: Option<u32>,
 }
 
 /// Source sessions of one snapshot, reused from chunk to chunk: a session
@@ -1407,13 +1417,42 @@ impl Sessions {
             self.snapshot.replace('\'', "''")
         );
         if let Some(client) = self.idle() {
-            if client.batch_execute(&begin).await.is_ok() {
-                return Ok(client);
+            match client.batch_execute(&begin).await {
+                Ok(()) => return Ok(client),
+                Err(e) => {
+                    tracing::debug!(error = %e, "an idle source session failed; opening another")
+                }
             }
         }
         let client = sql_session(config).await?;
         client.batch_execute(&begin).await?;
         Ok(client)
+    }
+
+    /// The table as the catalog has it now, on a session outside any
+    /// snapshot; an idle one that fails (closed by the server since) is
+    /// dropped for a new one.
+    async fn current(
+        &self,
+        config: &Config,
+        schema: &str,
+        table: &str,
+    ) -> Result<catalog::CurrentTable, RunError> {
+        if let Some(client) = self.idle() {
+            match catalog::current_table(&client, schema, table).await {
+                Ok(now) => {
+                    self.put(client);
+                    return Ok(now);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "an idle source session failed; opening another")
+                }
+            }
+        }
+        let client = sql_session(config).await?;
+        let now = catalog::current_table(&client, schema, table).await?;
+        self.put(client);
+        Ok(now)
     }
 }
 
@@ -1443,6 +1482,11 @@ async fn plan_table(
         .await?
         .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
     sessions.put(current);
+    // The file the block ranges below will name (the lock above holds it).
+    let file = sessions
+        .current(&output.config, &schema, &name)
+        .await?
+        .filenode;
     let columns = column_list(&desc);
     let estimate: f64 = client
         .query_one(
@@ -1465,6 +1509,7 @@ async fn plan_table(
         slot::quote_ident(&name)
     );
     let mut chunks = vec![None];
+    let mut filenode = None;
     // An outbox table is copied whole and in key order (see copy_chunk).
     // Heap block ranges where the server scans them by TID range (14 and
     // later): a chunk then reads its blocks in order with no index (2M
@@ -1479,6 +1524,7 @@ async fn plan_table(
         };
         if chunks.is_empty() {
             chunks = block_chunks(&client, oid, n).await?;
+            filenode = file;
         }
     }
     // Locks are held only while planning and while each chunk copies: a
@@ -1499,6 +1545,7 @@ async fn plan_table(
         codec,
         columns,
         chunks,
+        filenode,
     })
 }
 
@@ -1615,21 +1662,26 @@ async fn run_snapshot(
     for plan in &plans {
         for chunk in &plan.chunks {
             let (output, limit, sessions) = (output.clone(), limit.clone(), sessions.clone());
-            let (codec, table, columns, chunk) = (
+            let (codec, table, columns, chunk, filenode) = (
                 plan.codec.clone(),
                 plan.table.clone(),
                 plan.columns.clone(),
                 chunk.clone(),
+                plan.filenode,
             );
             let progress = progress.clone();
             tasks.spawn(async move {
                 let _permit = limit.acquire_owned().await;
+                let spec = ChunkSpec {
+                    columns: &columns,
+                    condition: chunk.as_deref(),
+                    filenode,
+                };
                 let rows = copy_chunk(
                     &output,
                     &sessions,
                     &codec,
-                    &columns,
-                    chunk.as_deref(),
+                    spec,
                     consistent_point,
                     &progress,
                 )
@@ -1654,6 +1706,8 @@ async fn run_snapshot(
         })??;
         *rows.entry(table).or_default() += count;
     }
+    // Closed now, not after the flush and the wait for acknowledgements.
+    drop(sessions);
     progress.finish(&rows);
     let chunks = plans
         .iter()
@@ -1759,8 +1813,7 @@ async fn copy_chunk(
     output: &Output,
     sessions: &Sessions,
     codec: &TableCodec,
-    columns: &str,
-    condition: Option<&str>,
+    chunk: ChunkSpec<'_>,
     consistent_point: Lsn,
     progress: &Progress,
 ) -> Result<u64, RunError> {
@@ -1777,18 +1830,27 @@ async fn copy_chunk(
     client
         .batch_execute(&format!("LOCK TABLE {qualified} IN ACCESS SHARE MODE"))
         .await?;
-    let current = sessions.take(&output.config).await?;
-    let now = catalog::current_columns(&current, &codec.desc.schema, &codec.desc.table).await?;
-    sessions.put(current);
+    let now = sessions
+        .current(&output.config, &codec.desc.schema, &codec.desc.table)
+        .await?;
     let planned = codec
         .desc
         .columns
         .iter()
         .map(|c| (c.name.clone(), c.type_oid, c.type_modifier));
-    if !now.into_iter().eq(planned) {
+    if !now.columns.into_iter().eq(planned) {
         return Err(RunError::Snapshot {
             table,
             message: "its columns changed during the snapshot (DDL); the next start takes the snapshot again".into(),
+        });
+    }
+    // A rewrite moves rows to other blocks of a new file (VACUUM FULL and
+    // CLUSTER keep the rows the snapshot sees): block ranges planned on
+    // the old one would copy some twice and skip others.
+    if chunk.filenode.is_some() && now.filenode != chunk.filenode {
+        return Err(RunError::Snapshot {
+            table,
+            message: "it was rewritten during the snapshot (VACUUM FULL, CLUSTER, TRUNCATE or a rewriting ALTER TABLE), which moves its rows between the planned block ranges; the next start takes the snapshot again".into(),
         });
     }
     // Events of a stream keep their order: an outbox table's rows go out
@@ -1802,8 +1864,12 @@ async fn copy_chunk(
         .unwrap_or_default();
     let forms = binary_forms(output, codec);
     let copy = format!(
-        "COPY (SELECT {columns} FROM {qualified}{}{order}) TO STDOUT{}",
-        condition.map(|c| format!(" WHERE {c}")).unwrap_or_default(),
+        "COPY (SELECT {} FROM {qualified}{}{order}) TO STDOUT{}",
+        chunk.columns,
+        chunk
+            .condition
+            .map(|c| format!(" WHERE {c}"))
+            .unwrap_or_default(),
         if forms.is_some() {
             " (FORMAT binary)"
         } else {

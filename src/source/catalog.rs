@@ -51,38 +51,54 @@ pub async fn describe(
     )))
 }
 
-/// A table's columns as [`describe`] lists them, in their order, as of
-/// now: name, type and typmod, domains resolved to their base type as
-/// [`columns`] resolves them; empty when no such table exists. One
-/// statement, where [`describe`] takes four: a snapshot chunk checks its
-/// columns with it (a binary COPY is read by the planned types, so a type
-/// changed without a table rewrite must not pass).
-pub async fn current_columns(
+/// A table as the catalog has it now: its columns as [`describe`] lists
+/// them (name, type and typmod, domains resolved to their base type as
+/// [`columns`] resolves them) and the file its rows are in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CurrentTable {
+    pub columns: Vec<(String, u32, i32)>,
+    /// `pg_class.relfilenode`: a new one after a rewrite (VACUUM FULL,
+    /// CLUSTER, TRUNCATE, a rewriting ALTER TABLE), which moves rows to
+    /// other blocks. `None` when the table has no columns or is gone.
+    pub filenode: Option<u32>,
+}
+
+/// The table now ([`CurrentTable`]), in one statement where [`describe`]
+/// takes four: a snapshot chunk checks its table with it under its lock
+/// (a binary COPY is read by the planned types, and a block range names
+/// the planned file's rows).
+pub async fn current_table(
     client: &Client,
     schema: &str,
     table: &str,
-) -> Result<Vec<(String, u32, i32)>, tokio_postgres::Error> {
-    Ok(client
+) -> Result<CurrentTable, tokio_postgres::Error> {
+    let rows = client
         .query(
             "WITH RECURSIVE a AS (
-                 SELECT a.attnum, a.attname::text AS name, a.atttypid AS oid, a.atttypmod AS typmod
+                 SELECT a.attnum, a.attname::text AS name, a.atttypid AS oid,
+                     a.atttypmod AS typmod, c.relfilenode
                  FROM pg_attribute a
                  JOIN pg_class c ON c.oid = a.attrelid
                  JOIN pg_namespace n ON n.oid = c.relnamespace
                  WHERE n.nspname = $1 AND c.relname = $2
                    AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''),
              b AS (
-                 SELECT attnum, name, oid, typmod, 0 AS depth FROM a
+                 SELECT attnum, name, oid, typmod, relfilenode, 0 AS depth FROM a
                  UNION ALL
-                 SELECT b.attnum, b.name, t.typbasetype, t.typtypmod, b.depth + 1
+                 SELECT b.attnum, b.name, t.typbasetype, t.typtypmod, b.relfilenode, b.depth + 1
                  FROM b JOIN pg_type t ON t.oid = b.oid WHERE t.typtype = 'd')
-             SELECT DISTINCT ON (attnum) name, oid, typmod FROM b ORDER BY attnum, depth DESC",
+             SELECT DISTINCT ON (attnum) name, oid, typmod, relfilenode
+             FROM b ORDER BY attnum, depth DESC",
             &[&schema, &table],
         )
-        .await?
-        .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
-        .collect())
+        .await?;
+    Ok(CurrentTable {
+        columns: rows
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2)))
+            .collect(),
+        filenode: rows.first().map(|r| r.get(3)),
+    })
 }
 
 /// Column descriptions from names and (type oid, typmod) pairs: domains
