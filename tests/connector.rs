@@ -602,6 +602,21 @@ async fn big_table(client: &tokio_postgres::Client, rows: i64) {
         .expect("table");
 }
 
+/// The snapshot marker the connector of `parsed` last wrote for `db`.
+async fn completed_marker(
+    parsed: &pgcdc::config::Config,
+    db: &TestDb,
+) -> pgcdc::snapshot_marker::Marker {
+    pgcdc::snapshot_marker::latest(
+        &parsed.kafka,
+        &pgcdc::snapshot_marker::topic(parsed),
+        &db.name,
+    )
+    .await
+    .expect("marker")
+    .expect("a marker")
+}
+
 /// A pipeline of `public.big` copied in chunks of `chunk_rows`, `workers`
 /// at a time.
 fn chunked_pipeline(
@@ -818,14 +833,7 @@ async fn a_chunked_snapshot_reuses_its_sessions_and_copies_block_ranges() {
         !planned.contains('\x1b'),
         "colours in a log file: {planned}"
     );
-    let marker = pgcdc::snapshot_marker::latest(
-        &parsed.kafka,
-        &pgcdc::snapshot_marker::topic(&parsed),
-        &db.name,
-    )
-    .await
-    .expect("marker")
-    .expect("a marker");
+    let marker = completed_marker(&parsed, &db).await;
     assert_eq!(
         marker.chunks.get("public.big"),
         Some(&20),
@@ -854,6 +862,45 @@ async fn a_chunked_snapshot_reuses_its_sessions_and_copies_block_ranges() {
     if version >= 140_000 {
         assert_eq!(scans, scans_before, "a chunk scanned the key's index");
     }
+    db.drop_db().await;
+}
+
+/// A table loaded and never analysed (no statistics: `reltuples` -1) is
+/// cut into chunks by the planner's estimate from its size, not copied
+/// whole by one worker.
+#[tokio::test]
+async fn a_table_never_analysed_is_still_cut_into_chunks() {
+    const ROWS: i64 = 40_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_noanalyze").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.big (id bigint PRIMARY KEY, v text) WITH (autovacuum_enabled = false);
+             INSERT INTO public.big SELECT g, md5(g::text) FROM generate_series(1, {ROWS}) g;"
+        ))
+        .await
+        .expect("table");
+    let stats: f32 = client
+        .query_one(
+            "SELECT reltuples FROM pg_class WHERE oid = 'public.big'::regclass",
+            &[],
+        )
+        .await
+        .expect("reltuples")
+        .get(0);
+    assert!(stats <= 0.0, "the table has statistics already: {stats}");
+    let (config, parsed) = chunked_pipeline(&stack, &db, 2_000, 2);
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    assert_eq!(connector.terminate().await, 0);
+    let marker = completed_marker(&parsed, &db).await;
+    let chunks = marker.chunks.get("public.big").copied().unwrap_or(0);
+    assert!(
+        chunks >= 10,
+        "{chunks} chunks for 40,000 rows in chunks of 2,000"
+    );
+    assert_eq!(marker.rows.get("public.big"), Some(&(ROWS as u64)));
     db.drop_db().await;
 }
 
@@ -973,14 +1020,7 @@ async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() 
     let parsed = pgcdc::config::Config::from_toml(&config_toml, "test", &[]).expect("config");
     let connector = ConnectorProcess::start(&config);
     support::wait_snapshot_completed(&parsed).await;
-    let marker = pgcdc::snapshot_marker::latest(
-        &parsed.kafka,
-        &pgcdc::snapshot_marker::topic(&parsed),
-        &db.name,
-    )
-    .await
-    .expect("marker")
-    .expect("a marker");
+    let marker = completed_marker(&parsed, &db).await;
     assert_eq!(
         marker.chunks.get("public.words"),
         Some(&5),

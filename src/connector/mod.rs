@@ -1488,13 +1488,12 @@ async fn plan_table(
         .await?
         .filenode;
     let columns = column_list(&desc);
-    let estimate: f64 = client
-        .query_one(
-            "SELECT greatest(reltuples, 0)::float8 FROM pg_class WHERE oid = $1",
-            &[&oid],
-        )
-        .await?
-        .get(0);
+    let qualified = format!(
+        "{}.{}",
+        slot::quote_ident(&schema),
+        slot::quote_ident(&name)
+    );
+    let estimate = row_estimate(&client, oid, &qualified).await?;
     metrics::gauge!(observe::SNAPSHOT_ROWS_ESTIMATED, "table" => table.to_string()).set(estimate);
     let chunk_rows = output.config.source.snapshot.chunk_rows as f64;
     let n = (estimate / chunk_rows).ceil().max(1.0) as i64;
@@ -1503,11 +1502,6 @@ async fn plan_table(
         .await?
         .get(0);
     let tid_range_scans = version >= 140_000;
-    let qualified = format!(
-        "{}.{}",
-        slot::quote_ident(&schema),
-        slot::quote_ident(&name)
-    );
     let mut chunks = vec![None];
     let mut filenode = None;
     // An outbox table is copied whole and in key order (see copy_chunk).
@@ -1547,6 +1541,35 @@ async fn plan_table(
         chunks,
         filenode,
     })
+}
+
+/// A table's row count as the planner knows it: from its statistics, or,
+/// for a table never analysed nor vacuumed (`reltuples` -1, or 0 before
+/// Postgres 14), the planner's own estimate from its size, so that a
+/// freshly loaded table is still cut into chunks.
+async fn row_estimate(client: &Client, oid: u32, qualified: &str) -> Result<f64, RunError> {
+    let stats: f64 = client
+        .query_one(
+            "SELECT reltuples::float8 FROM pg_class WHERE oid = $1",
+            &[&oid],
+        )
+        .await?
+        .get(0);
+    if stats > 0.0 {
+        return Ok(stats);
+    }
+    let plan = client
+        .simple_query(&format!("EXPLAIN (FORMAT JSON) SELECT * FROM {qualified}"))
+        .await?;
+    let rows = plan
+        .iter()
+        .find_map(|m| match m {
+            tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0),
+            _ => None,
+        })
+        .and_then(|json| serde_json::from_str::<serde_json::Value>(json).ok())
+        .and_then(|v| v[0]["Plan"]["Plan Rows"].as_f64());
+    Ok(rows.unwrap_or(0.0).max(0.0))
 }
 
 /// `n` chunks by ranges of a single integer key; none when the table is
