@@ -369,8 +369,7 @@ async fn every_type_family_round_trips_without_loss() {
 
 /// Every kind a snapshot copies in binary, at its edges: each row copied
 /// both ways encodes to the same key and envelope bytes, and each binary
-/// value renders to the text Postgres writes for it (floats aside, whose
-/// rendering is only shown; their specials are checked).
+/// value renders to the text Postgres writes for it.
 const BINARY_SCHEMA: &str = r#"
 CREATE TYPE public.mood AS ENUM ('sad', 'ok', 'happy');
 CREATE DOMAIN public.cents AS numeric(8,2);
@@ -430,18 +429,6 @@ async fn binary_copy_values_encode_as_their_text_does() {
         pgcdc::encode::TableCodec::new("t.public.binary_kinds", desc.clone()).expect("codec");
     codec.set_ids(1, 2);
     let forms = codec.binary_forms().expect("every column copies in binary");
-    assert_eq!(
-        forms[desc.columns.iter().position(|c| c.name == "t").expect("t")],
-        Form::Text
-    );
-    assert_eq!(
-        forms[desc
-            .columns
-            .iter()
-            .position(|c| c.name == "n2")
-            .expect("n2")],
-        Form::Binary
-    );
     let form_of = |name: &str| {
         forms[desc
             .columns
@@ -450,8 +437,15 @@ async fn binary_copy_values_encode_as_their_text_does() {
             .expect(name)]
     };
     assert_eq!(
-        [form_of("j"), form_of("jb"), form_of("nv"), form_of("o")],
-        [Form::Text, Form::Jsonb, Form::Binary, Form::Binary]
+        ["t", "n2", "j", "jb", "nv", "o"].map(form_of),
+        [
+            Form::Text,
+            Form::Binary,
+            Form::Text,
+            Form::Jsonb,
+            Form::Binary,
+            Form::Binary
+        ]
     );
 
     let copy = |format: &'static str| {

@@ -1353,14 +1353,18 @@ struct TablePlan {
     chunks: Vec<Option<String>>,
     /// The file whose blocks the chunks name, when they are block ranges.
     filenode: Option<u32>,
+    /// Each column's form when the chunks copy in binary ([`binary_forms`]).
+    forms: Option<Arc<[binary::Form]>>,
 }
 
 /// What one chunk copies: the COPY's column list, the condition on its
-/// rows (`None`: the whole table), and the file a block range names.
+/// rows (`None`: the whole table), the file a block range names, and the
+/// columns' forms when it copies in binary.
 struct ChunkSpec<'a> {
     columns: &'a str,
     condition: Option<&'a str>,
     filenode: Option<u32>,
+    forms: Option<&'a [binary::Form]>,
 }
 
 /// Source sessions of one snapshot, reused from chunk to chunk: a session
@@ -1482,11 +1486,6 @@ async fn plan_table(
         .await?
         .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
     sessions.put(current);
-    // The file the block ranges below will name (the lock above holds it).
-    let file = sessions
-        .current(&output.config, &schema, &name)
-        .await?
-        .filenode;
     let columns = column_list(&desc);
     let qualified = format!(
         "{}.{}",
@@ -1518,7 +1517,11 @@ async fn plan_table(
         };
         if chunks.is_empty() {
             chunks = block_chunks(&client, oid, n).await?;
-            filenode = file;
+            // The file the ranges name (the lock above holds it).
+            filenode = sessions
+                .current(&output.config, &schema, &name)
+                .await?
+                .filenode;
         }
     }
     // Locks are held only while planning and while each chunk copies: a
@@ -1528,10 +1531,8 @@ async fn plan_table(
     client.batch_execute("COMMIT").await?;
     sessions.put(client);
     let codec = Arc::new(output.codec(desc).await?);
-    let format = match binary_forms(output, &codec) {
-        Some(_) => "binary",
-        None => "text",
-    };
+    let forms: Option<Arc<[binary::Form]>> = binary_forms(output, &codec).map(Into::into);
+    let format = if forms.is_some() { "binary" } else { "text" };
     tracing::info!(%table, chunks = chunks.len(), format, "table snapshot planned");
     Ok(TablePlan {
         table: table.to_string(),
@@ -1540,6 +1541,7 @@ async fn plan_table(
         columns,
         chunks,
         filenode,
+        forms,
     })
 }
 
@@ -1685,12 +1687,13 @@ async fn run_snapshot(
     for plan in &plans {
         for chunk in &plan.chunks {
             let (output, limit, sessions) = (output.clone(), limit.clone(), sessions.clone());
-            let (codec, table, columns, chunk, filenode) = (
+            let (codec, table, columns, chunk, filenode, forms) = (
                 plan.codec.clone(),
                 plan.table.clone(),
                 plan.columns.clone(),
                 chunk.clone(),
                 plan.filenode,
+                plan.forms.clone(),
             );
             let progress = progress.clone();
             tasks.spawn(async move {
@@ -1699,6 +1702,7 @@ async fn run_snapshot(
                     columns: &columns,
                     condition: chunk.as_deref(),
                     filenode,
+                    forms: forms.as_deref(),
                 };
                 let rows = copy_chunk(
                     &output,
@@ -1893,7 +1897,7 @@ async fn copy_chunk(
         .and_then(|o| snapshot_order(o, &codec.desc))
         .map(|by| format!(" ORDER BY {}", slot::quote_ident(by)))
         .unwrap_or_default();
-    let forms = binary_forms(output, codec);
+    let forms = chunk.forms;
     let copy = format!(
         "COPY (SELECT {} FROM {qualified}{}{order}) TO STDOUT{}",
         chunk.columns,
@@ -1953,7 +1957,7 @@ async fn copy_chunk(
         let mut start = 0;
         loop {
             let mut fields = reuse(row);
-            let end = match &forms {
+            let end = match forms {
                 None => data[start..].iter().position(|&b| b == b'\n').map(|nl| {
                     line.parse(&data[start..start + nl]);
                     fields.extend(line.fields().map(|f| f.map_or(Input::Null, Input::Text)));

@@ -460,15 +460,7 @@ pub fn write_direct(out: &mut Vec<u8>, kind: &Kind, layout: &Layout, input: Inpu
         }
         Input::Text(bytes) => bytes,
         Input::Binary(bytes) => {
-            let mark = out.len();
-            if layout.is_union() {
-                datum::branch(out, layout.value_index());
-            }
-            if super::binary::write(out, kind, bytes).is_none() {
-                out.truncate(mark);
-                return false;
-            }
-            return true;
+            return in_value_branch(out, layout, |out| super::binary::write(out, kind, bytes))
         }
         _ => return false,
     };
@@ -478,11 +470,7 @@ pub fn write_direct(out: &mut Vec<u8>, kind: &Kind, layout: &Layout, input: Inpu
     if kind.has_specials() && is_special(kind, text) {
         return false;
     }
-    let mark = out.len();
-    if layout.is_union() {
-        datum::branch(out, layout.value_index());
-    }
-    let written = (|| {
+    in_value_branch(out, layout, |out| {
         match kind {
             Kind::Bool => out.push(match text {
                 "t" => 1,
@@ -511,11 +499,25 @@ pub fn write_direct(out: &mut Vec<u8>, kind: &Kind, layout: &Layout, input: Inpu
             _ => return None,
         }
         Some(())
-    })();
-    if written.is_none() {
+    })
+}
+
+/// Writes the layout's value branch, then the value by `write`; on `None`
+/// takes both back and returns false.
+fn in_value_branch(
+    out: &mut Vec<u8>,
+    layout: &Layout,
+    write: impl FnOnce(&mut Vec<u8>) -> Option<()>,
+) -> bool {
+    let mark = out.len();
+    if layout.is_union() {
+        datum::branch(out, layout.value_index());
+    }
+    let written = write(out).is_some();
+    if !written {
         out.truncate(mark);
     }
-    written.is_some()
+    written
 }
 
 /// A decimal's unscaled value at `scale` (`12.5` at scale 2 is 1250), when
