@@ -60,7 +60,10 @@ BEGIN
         tables_sql := tables_sql || CASE WHEN tables_sql = '' THEN '' ELSE ', ' END || t::text;
     END LOOP;
     IF NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = publication) THEN
-        EXECUTE format('CREATE PUBLICATION %I FOR TABLE %s', publication, tables_sql);
+        -- A partitioned table's changes under its own name (13 and later).
+        EXECUTE format('CREATE PUBLICATION %I FOR TABLE %s%s', publication, tables_sql,
+            CASE WHEN current_setting('server_version_num')::int >= 130000
+                 THEN ' WITH (publish_via_partition_root = true)' ELSE '' END);
     END IF;
 END $$;
 

@@ -19,8 +19,11 @@ FROM (SELECT DISTINCT split_part(trim(t), '.', 1) AS s
 SELECT format('GRANT SELECT ON %s TO %I', trim(t), :'role')
 FROM unnest(string_to_array(:'tables', ',')) t \gexec
 
--- The publication is owned by the administrator; pgcdc only reads it.
-SELECT format('CREATE PUBLICATION %I FOR TABLE %s', :'publication', :'tables')
+-- The publication is owned by the administrator; pgcdc only reads it. A
+-- partitioned table's changes go out under its own name (13 and later).
+SELECT format('CREATE PUBLICATION %I FOR TABLE %s%s', :'publication', :'tables',
+              CASE WHEN current_setting('server_version_num')::int >= 130000
+                   THEN ' WITH (publish_via_partition_root = true)' ELSE '' END)
 WHERE NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = :'publication') \gexec
 
 -- Tables without a primary key need an explicit replica identity; FULL is

@@ -527,13 +527,27 @@ async fn check_publication(
         (row.get(3), "delete"),
         (row.get(4), "truncate"),
     ];
-    let missing = crate::source::slot::uncovered_tables(client, config).await?;
+    let gaps = crate::source::slot::publication_gaps(client, config).await?;
+    let missing = gaps.missing;
     let missing_ops: Vec<&str> = ops
         .iter()
         .filter(|(on, _)| !on)
         .map(|(_, op)| *op)
         .collect();
-    if !missing.is_empty() {
+    if !gaps.by_partition.is_empty() {
+        r.fail(
+            name,
+            format!(
+                "publication '{}' publishes changes to the partitions of {} under the partitions' own names, to topics no snapshot fills",
+                src.publication,
+                gaps.by_partition.join(", ")
+            ),
+            format!(
+                "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
+                src.publication
+            ),
+        );
+    } else if !missing.is_empty() {
         r.fail(
             name,
             format!(

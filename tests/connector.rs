@@ -1037,6 +1037,90 @@ async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() 
     db.drop_db().await;
 }
 
+/// A partitioned table (one partition itself partitioned) is one table to
+/// its consumers: its snapshot is cut partition by partition into chunks
+/// (the parent has no blocks of its own), its changes go to the table's
+/// topic under its name, no partition gets a topic or registry subjects,
+/// and a restart finds the publication covering it.
+#[tokio::test]
+async fn a_partitioned_table_is_snapshotted_by_partition_and_streamed_as_one_table() {
+    const ROWS: i64 = 30_000;
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_parted").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.ev (id bigint, region int, v text, PRIMARY KEY (id, region))
+                 PARTITION BY LIST (region);
+             CREATE TABLE public.ev_1 PARTITION OF public.ev FOR VALUES IN (1);
+             CREATE TABLE public.ev_2 PARTITION OF public.ev FOR VALUES IN (2)
+                 PARTITION BY RANGE (id);
+             CREATE TABLE public.ev_2a PARTITION OF public.ev_2 FOR VALUES FROM (MINVALUE) TO (15000);
+             CREATE TABLE public.ev_2b PARTITION OF public.ev_2 FOR VALUES FROM (15000) TO (MAXVALUE);
+             INSERT INTO public.ev SELECT g, 1 + g % 2, md5(g::text) FROM generate_series(1, {ROWS}) g;
+             ANALYZE public.ev;"
+        ))
+        .await
+        .expect("table");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.ev"]).replace(
+        "[kafka]",
+        "[source.snapshot]\nchunk_rows = 2000\nworkers = 2\n[kafka]",
+    );
+    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let config = ConfigFile::write(&toml);
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    let marker = completed_marker(&parsed, &db).await;
+    let chunks = marker.chunks.get("public.ev").copied().unwrap_or(0);
+    assert!(
+        chunks >= 10,
+        "{chunks} chunks for 30,000 rows in three partitions, in chunks of 2,000"
+    );
+    assert_eq!(marker.rows.get("public.ev"), Some(&(ROWS as u64)));
+    support::wait_streaming(&client, &db.name).await;
+    client
+        .batch_execute(
+            "INSERT INTO public.ev VALUES (30001, 2, 'new');
+             UPDATE public.ev SET v = 'changed' WHERE id = 7 AND region = 2;
+             DELETE FROM public.ev WHERE id = 20000 AND region = 1;",
+        )
+        .await
+        .expect("changes");
+    let topic = format!("{}.public.ev", db.name);
+    // The rows, three changes and the delete's tombstone.
+    let read = events(&stack, &topic, ROWS as usize + 4).await;
+    let keys: std::collections::HashSet<_> = read[..ROWS as usize]
+        .iter()
+        .filter_map(|e| e.key_bytes.clone())
+        .collect();
+    assert_eq!(keys.len(), ROWS as usize, "every row copied once");
+    let streamed: Vec<String> = read[ROWS as usize..].iter().map(Event::op).collect();
+    assert_eq!(streamed, ["c", "u", "d", "tombstone"]);
+    assert_eq!(text(read[ROWS as usize].after("v")), "new");
+    assert_eq!(text(read[ROWS as usize + 1].after("v")), "changed");
+    let log = connector.log();
+    assert!(
+        !log.contains(".public.ev_"),
+        "a partition got a topic: {log}"
+    );
+    assert_eq!(connector.terminate().await, 0);
+
+    let connector = ConnectorProcess::start(&config);
+    support::wait_streaming(&client, &db.name).await;
+    client
+        .batch_execute("INSERT INTO public.ev VALUES (30002, 1, 'after restart')")
+        .await
+        .expect("insert");
+    let read = events(&stack, &topic, ROWS as usize + 5).await;
+    assert!(
+        read.iter()
+            .any(|e| e.op() == "c" && text(e.after("v")) == "after restart"),
+        "the change after the restart"
+    );
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn an_incompatible_schema_change_stops_the_connector_before_producing_it() {
     let stack = support::stack();

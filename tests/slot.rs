@@ -265,17 +265,12 @@ async fn publication_is_created_when_missing_and_never_silently_altered() {
             .expect("verify"),
         "left as it is"
     );
-    client
-        .batch_execute(&format!(
-            "ALTER PUBLICATION {} DROP TABLE public.orders",
-            db.name
-        ))
-        .await
-        .expect("alter");
-    let err = slot::ensure_publication(&client, &config)
-        .await
-        .err()
-        .map(|e| e.to_string());
+    let err = refusal_after(
+        &client,
+        &config,
+        &format!("ALTER PUBLICATION {} DROP TABLE public.orders", db.name),
+    )
+    .await;
     assert_eq!(
         err,
         Some(format!(
@@ -302,5 +297,83 @@ async fn publication_is_created_when_missing_and_never_silently_altered() {
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(foreign.contains("uses plugin 'test_decoding'"), "{foreign}");
+    db.drop_db().await;
+}
+
+/// What `ensure_publication` says of the publication after `alter`.
+async fn refusal_after(
+    client: &tokio_postgres::Client,
+    config: &pgcdc::config::Config,
+    alter: &str,
+) -> Option<String> {
+    client.batch_execute(alter).await.expect("alter");
+    pgcdc::source::slot::ensure_publication(client, config)
+        .await
+        .err()
+        .map(|e| e.to_string())
+}
+
+/// A publication that publishes a partitioned table's changes under its
+/// partitions' names (`publish_via_partition_root` off) is refused with
+/// the fix, by the connector and by `pgcdc check`; one pgcdc creates
+/// publishes through the root.
+#[tokio::test]
+async fn a_publication_that_names_partitions_instead_of_their_table_is_refused_with_the_fix() {
+    use pgcdc::config::Config;
+    use pgcdc::source::slot;
+
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "slot_parted").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.ev (id bigint, region int, PRIMARY KEY (id, region))
+                 PARTITION BY LIST (region);
+             CREATE TABLE public.ev_1 PARTITION OF public.ev FOR VALUES IN (1);",
+        )
+        .await
+        .expect("table");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.ev"]);
+    let config = Config::from_toml(&toml, "test", &[]).expect("config");
+    assert!(slot::ensure_publication(&client, &config)
+        .await
+        .expect("create"));
+    let via_root: bool = client
+        .query_one(
+            "SELECT pubviaroot FROM pg_publication WHERE pubname = $1",
+            &[&db.name],
+        )
+        .await
+        .expect("publication")
+        .get(0);
+    assert!(via_root, "pgcdc's publication publishes through the root");
+    let err = refusal_after(
+        &client,
+        &config,
+        &format!(
+            "ALTER PUBLICATION {} SET (publish_via_partition_root = false)",
+            db.name
+        ),
+    )
+    .await;
+    assert_eq!(
+        err,
+        Some(format!(
+            "publication '{0}' publishes changes to the partitions of public.ev under the partitions' own names, to topics no snapshot fills; fix: ALTER PUBLICATION {0} SET (publish_via_partition_root = true)",
+            db.name
+        ))
+    );
+    let file = ConfigFile::write(&toml);
+    let check = support::pgcdc(&["check", "--config", file.arg()]).await;
+    let line = check.check_line("postgres.publication").unwrap_or_default();
+    assert!(line.contains("FAIL"), "{}", check.all_output());
+    assert!(
+        check.all_output().contains(&format!(
+            "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
+            db.name
+        )),
+        "{}",
+        check.all_output()
+    );
     db.drop_db().await;
 }

@@ -101,6 +101,64 @@ pub async fn current_table(
     })
 }
 
+/// A leaf partition of a partitioned table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Leaf {
+    pub oid: u32,
+    pub schema: String,
+    pub name: String,
+    /// A heap table (a foreign table can be a partition too, which has no
+    /// blocks to cut into ranges).
+    pub heap: bool,
+}
+
+/// Whether a relation is a partition of another (false when it is gone).
+pub async fn is_partition(client: &Client, oid: u32) -> Result<bool, tokio_postgres::Error> {
+    Ok(client
+        .query_opt(
+            "SELECT relispartition FROM pg_class WHERE oid = $1",
+            &[&oid],
+        )
+        .await?
+        .is_some_and(|r| r.get(0)))
+}
+
+/// The leaf partitions of a partitioned table, at any depth, in oid
+/// order; `None` when the table is not partitioned.
+pub async fn leaf_partitions(
+    client: &Client,
+    oid: u32,
+) -> Result<Option<Vec<Leaf>>, tokio_postgres::Error> {
+    let partitioned: bool = client
+        .query_one("SELECT relkind = 'p' FROM pg_class WHERE oid = $1", &[&oid])
+        .await?
+        .get(0);
+    if !partitioned {
+        return Ok(None);
+    }
+    let rows = client
+        .query(
+            "SELECT c.oid, n.nspname::text, c.relname::text, c.relkind = 'r'
+             FROM pg_partition_tree($1::oid::regclass) t
+             JOIN pg_class c ON c.oid = t.relid
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE t.isleaf
+             ORDER BY c.oid",
+            &[&oid],
+        )
+        .await?;
+    Ok(Some(
+        rows.iter()
+            .map(|r| Leaf {
+                oid: r.get(0),
+                schema: r.get(1),
+                name: r.get(2),
+                heap: r.get(3),
+            })
+            .collect(),
+    ))
+}
+
 /// Column descriptions from names and (type oid, typmod) pairs: domains
 /// resolved to their base type (and its typmod), enum labels looked up
 /// (for arrays of enums, the element's), all in one query.

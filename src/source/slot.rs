@@ -2,7 +2,8 @@
 //!
 //! Guarantees: a publication is created only when missing and never
 //! altered behind the operator's back (a publication that misses a
-//! captured table is an error naming the fix); a slot is dropped only when
+//! captured table, or publishes a partitioned table's changes under its
+//! partitions' names, is an error naming the fix); a slot is dropped only when
 //! no connection holds it; an invalidated slot (`wal_status = lost`) is
 //! always reported as an error with the recovery path, never skipped.
 
@@ -29,6 +30,8 @@ pub enum SlotError {
         publication: String,
         missing: String,
     },
+    #[error("publication '{publication}' publishes changes to the partitions of {tables} under the partitions' own names, to topics no snapshot fills; fix: ALTER PUBLICATION {publication} SET (publish_via_partition_root = true)")]
+    PublicationByPartition { publication: String, tables: String },
     #[error("slot '{slot}' is in use by process {pid}; stop that consumer first")]
     Active { slot: String, pid: i32 },
     #[error("slot '{0}' does not exist")]
@@ -286,9 +289,20 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
             .filter_map(|t| split_table(t))
             .map(|(s, t)| format!("{}.{}", quote_ident(&s), quote_ident(&t)))
             .collect();
+        // Changes to a partitioned table's rows go out under its own name,
+        // to its topic, rather than under a partition's (13 and later).
+        let version: i32 = client
+            .query_one("SELECT current_setting('server_version_num')::int4", &[])
+            .await?
+            .get(0);
+        let options = if version >= 130_000 {
+            " WITH (publish_via_partition_root = true)"
+        } else {
+            ""
+        };
         client
             .batch_execute(&format!(
-                "CREATE PUBLICATION {} FOR TABLE {}",
+                "CREATE PUBLICATION {} FOR TABLE {}{options}",
                 quote_ident(&src.publication),
                 tables.join(", ")
             ))
@@ -296,42 +310,85 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
         tracing::info!(publication = %src.publication, tables = src.tables.len(), "publication created");
         return Ok(true);
     }
-    let missing = uncovered_tables(client, config).await?;
-    if missing.is_empty() {
+    let gaps = publication_gaps(client, config).await?;
+    let names = |tables: &[String]| {
+        tables
+            .iter()
+            .map(|t| sql_table(t))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if !gaps.by_partition.is_empty() {
+        return Err(SlotError::PublicationByPartition {
+            publication: src.publication.clone(),
+            tables: names(&gaps.by_partition),
+        });
+    }
+    if gaps.missing.is_empty() {
         Ok(false)
     } else {
         Err(SlotError::PublicationIncomplete {
             publication: src.publication.clone(),
-            missing: missing
-                .iter()
-                .map(|t| sql_table(t))
-                .collect::<Vec<_>>()
-                .join(", "),
+            missing: names(&gaps.missing),
         })
     }
 }
 
-/// The captured tables that the configured publication does not cover.
-pub async fn uncovered_tables(
+/// Where an existing publication falls short of the captured tables.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PublicationGaps {
+    /// Captured tables it does not cover.
+    pub missing: Vec<String>,
+    /// Captured partitioned tables whose changes it publishes under their
+    /// partitions' names (`publish_via_partition_root` off): their
+    /// streamed changes would go to one topic per partition, apart from
+    /// the table's snapshot. Not in `missing`, whose check needs the fix
+    /// first (the publication lists the partitions, not the table).
+    pub by_partition: Vec<String>,
+}
+
+/// The configured publication's [`PublicationGaps`].
+pub async fn publication_gaps(
     client: &Client,
     config: &Config,
-) -> Result<Vec<String>, tokio_postgres::Error> {
+) -> Result<PublicationGaps, tokio_postgres::Error> {
+    let src = &config.source;
     let covered: Vec<String> = client
         .query(
             "SELECT schemaname::text, tablename::text FROM pg_publication_tables WHERE pubname = $1",
-            &[&config.source.publication],
+            &[&src.publication],
         )
         .await?
         .iter()
         .map(|r| crate::config::table_name(r.get(0), r.get(1)))
         .collect();
-    Ok(config
-        .source
+    // `pubviaroot` exists from 13 on, as do partitioned tables in a
+    // publication; read through jsonb so that 12 answers too (NULL).
+    let names: Vec<String> = src.tables.iter().map(|t| sql_table(t)).collect();
+    let by_partition: Vec<String> = client
+        .query(
+            "SELECT t.n FROM unnest($2::text[]) WITH ORDINALITY AS t(name, n)
+             JOIN pg_class c ON c.oid = to_regclass(t.name)
+             WHERE c.relkind = 'p'
+               AND (SELECT to_jsonb(p) ->> 'pubviaroot' FROM pg_publication p
+                    WHERE p.pubname = $1) = 'false'
+             ORDER BY t.n",
+            &[&src.publication, &names],
+        )
+        .await?
+        .iter()
+        .map(|r| src.tables[(r.get::<_, i64>(0) - 1) as usize].clone())
+        .collect();
+    let missing = src
         .tables
         .iter()
-        .filter(|t| !covered.contains(t))
+        .filter(|t| !covered.contains(t) && !by_partition.contains(t))
         .cloned()
-        .collect())
+        .collect();
+    Ok(PublicationGaps {
+        missing,
+        by_partition,
+    })
 }
 
 /// A `source.tables` entry as an operator would type it in SQL, quoted
