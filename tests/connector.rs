@@ -495,6 +495,67 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
     db.drop_db().await;
 }
 
+/// A publication that covers more than `source.tables` (created by hand
+/// here; `FOR ALL TABLES` is the same): changes of the other tables are
+/// skipped, also inside transactions and truncates shared with a captured
+/// one, and get no topic nor subjects; a captured table renamed out of
+/// the list stops the connector with both names instead of losing its
+/// changes, after a restart too (when no Relation message named it yet).
+#[tokio::test]
+async fn only_captured_tables_are_streamed_and_a_renamed_one_stops_the_connector() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_wide").await;
+    let client = db.client().await;
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE public.kept (id bigint PRIMARY KEY, v text);
+             CREATE TABLE public.other (id bigint PRIMARY KEY);
+             CREATE PUBLICATION {} FOR TABLE public.kept, public.other",
+            db.name
+        ))
+        .await
+        .expect("tables");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.kept"],
+    ));
+    let connector = ConnectorProcess::start(&config);
+    support::wait_streaming(&client, &db.name).await;
+    client
+        .batch_execute(
+            "BEGIN; INSERT INTO public.other VALUES (1); INSERT INTO public.kept VALUES (1, 'a'); COMMIT;
+             INSERT INTO public.other VALUES (2);
+             TRUNCATE public.other, public.kept;
+             INSERT INTO public.kept VALUES (2, 'b');",
+        )
+        .await
+        .expect("changes");
+    let read = events(&stack, &format!("{}.public.kept", db.name), 3).await;
+    let ops: Vec<String> = read.iter().map(Event::op).collect();
+    assert_eq!(ops, ["c", "t", "c"]);
+    let log = connector.log();
+    assert!(!log.contains(".public.other"), "{log}");
+    assert_eq!(connector.terminate().await, 0);
+
+    let mut connector = ConnectorProcess::start(&config);
+    support::wait_streaming(&client, &db.name).await;
+    client
+        .batch_execute(
+            "ALTER TABLE public.kept RENAME TO kept2;
+             INSERT INTO public.kept2 VALUES (3, 'c');",
+        )
+        .await
+        .expect("rename");
+    let log = failed_log(&mut connector).await;
+    assert!(
+        log.contains("a captured table is named public.kept2 from LSN"),
+        "{log}"
+    );
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn toast_full_identity_truncate_and_schema_changes_are_carried_faithfully() {
     let stack = support::stack();

@@ -27,7 +27,7 @@
 
 pub mod incremental;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -2375,12 +2375,20 @@ async fn stream(
     output: &Output,
     repl: &mut ReplicationClient,
     sql: &Client,
-    mut codecs: HashMap<u32, TableCodec>,
+    codecs: HashMap<u32, TableCodec>,
     mut snapshots: incremental::Engine,
     resume_commit: u64,
     shutdown: &mut crate::Shutdown,
     progress: &std::sync::atomic::AtomicU64,
 ) -> Result<u64, RunError> {
+    let mut relations = Relations {
+        codecs,
+        outside: HashSet::new(),
+        captured: catalog::table_oids(sql, &output.config.source.tables)
+            .await?
+            .into_iter()
+            .collect(),
+    };
     let mut confirmed = output.acks.confirmed();
     let mut failed = output.acks.failed();
     let mut txn: Option<Txn> = None;
@@ -2460,7 +2468,7 @@ async fn stream(
                                 .table_order
                                 .iter()
                                 .map(|(oid, n)| {
-                                    let table = codecs.get(oid).map(|c| c.table.clone()).unwrap_or_else(|| oid.to_string());
+                                    let table = relations.codecs.get(oid).map(|c| c.table.clone()).unwrap_or_else(|| oid.to_string());
                                     (format!("{}.{table}", output.config.kafka.topic_prefix), *n)
                                 })
                                 .collect();
@@ -2485,7 +2493,7 @@ async fn stream(
                     ReplicationEvent::XLogData { wal_start, data, .. } => {
                         let lsn = Lsn(wal_start.as_u64());
                         let msg = pgoutput::decode(&data).map_err(|source| RunError::Decode { lsn, source })?;
-                        on_message(output, sql, &mut codecs, &mut snapshots, txn.as_mut(), lsn, msg).await?;
+                        on_message(output, sql, &mut relations, &mut snapshots, txn.as_mut(), lsn, msg).await?;
                     }
                     ReplicationEvent::Message { transactional: true, prefix, content, lsn } => {
                         // Requests and watermarks of incremental snapshots;
@@ -2640,25 +2648,55 @@ fn key_changed(codec: &TableCodec, old: &[Datum], new: &[Datum]) -> bool {
         .any(|(c, (o, n))| c.key && o != n && *n != Datum::UnchangedToast)
 }
 
+/// The relations the stream has met: a codec per captured table, and the
+/// relations outside `source.tables` whose changes are skipped.
+struct Relations {
+    codecs: HashMap<u32, TableCodec>,
+    /// Relations a publication covers beyond the captured tables (`FOR ALL
+    /// TABLES`, a table added by hand), and the partition a change was made
+    /// in, which pgoutput describes too when it publishes through the root.
+    outside: HashSet<u32>,
+    /// The captured tables' oids when streaming started: a Relation naming
+    /// one of them outside `source.tables` is a captured table renamed.
+    captured: HashSet<u32>,
+}
+
 async fn on_message(
     output: &Output,
     sql: &Client,
-    codecs: &mut HashMap<u32, TableCodec>,
+    relations: &mut Relations,
     snapshots: &mut incremental::Engine,
     txn: Option<&mut Txn>,
     lsn: Lsn,
     msg: Message,
 ) -> Result<(), RunError> {
+    let Relations {
+        codecs,
+        outside,
+        captured,
+    } = relations;
     if let Message::Relation(rel) = &msg {
-        // Publishing through a partitioned table's root, pgoutput describes
-        // the partition a change was made in too, though the change names
-        // the root: such a partition gets no codec (nor registry subjects).
+        // Changes of relations outside the captured tables are skipped, as
+        // Debezium's include list does: they have no snapshot, no topic
+        // pgcdc made, and no consumer expecting them. A captured table
+        // renamed out of the list stops the connector instead, since
+        // skipping its changes would lose them.
         let name = crate::config::table_name(&rel.namespace, &rel.name);
-        if !output.config.source.tables.contains(&name)
-            && catalog::is_partition(sql, rel.oid).await?
-        {
+        if !output.config.source.tables.contains(&name) {
+            if codecs.contains_key(&rel.oid) || captured.contains(&rel.oid) {
+                let was = codecs.get(&rel.oid).map_or_else(
+                    || "a captured table".to_string(),
+                    |c| format!("captured table {}", slot::sql_table(&c.table)),
+                );
+                return Err(RunError::Config(format!(
+                    "{was} is named {0} from LSN {lsn} on (renamed, or moved to another schema); pgcdc stops rather than skip its changes: add {0} to source.tables (its changes then go to that name's topic) or rename it back",
+                    slot::sql_table(&name),
+                )));
+            }
+            outside.insert(rel.oid);
             return Ok(());
         }
+        outside.remove(&rel.oid);
         let desc = relation_desc(sql, rel).await?;
         if codecs.get(&rel.oid).is_none_or(|c| c.desc != desc) {
             if codecs.contains_key(&rel.oid) {
@@ -2695,7 +2733,7 @@ async fn on_message(
         Message::Truncate { relations, .. } => relations.clone(),
         _ => return Ok(()),
     };
-    for oid in rels {
+    for oid in rels.into_iter().filter(|oid| !outside.contains(oid)) {
         let codec = codecs
             .get(&oid)
             .ok_or(RunError::UnknownRelation { lsn, oid })?;

@@ -112,15 +112,21 @@ pub struct Leaf {
     pub heap: bool,
 }
 
-/// Whether a relation is a partition of another (false when it is gone).
-pub async fn is_partition(client: &Client, oid: u32) -> Result<bool, tokio_postgres::Error> {
+/// The oids of the tables (`schema.table` as configured) that exist now.
+pub async fn table_oids(
+    client: &Client,
+    tables: &[String],
+) -> Result<Vec<u32>, tokio_postgres::Error> {
+    let names: Vec<String> = tables.iter().map(|t| super::slot::sql_table(t)).collect();
     Ok(client
-        .query_opt(
-            "SELECT relispartition FROM pg_class WHERE oid = $1",
-            &[&oid],
+        .query(
+            "SELECT to_regclass(t)::oid FROM unnest($1::text[]) t WHERE to_regclass(t) IS NOT NULL",
+            &[&names],
         )
         .await?
-        .is_some_and(|r| r.get(0)))
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
 }
 
 /// The leaf partitions of a partitioned table, at any depth, in oid
