@@ -1996,6 +1996,32 @@ async fn copy_chunk(
                 message: "it was rewritten during the snapshot (VACUUM FULL, CLUSTER, or moved to another tablespace), which moves its rows between the planned block ranges; the next start takes the snapshot again".into(),
             });
         }
+        // Empty to the snapshot: a TRUNCATE, whose truncate the stream
+        // carries; or a rewrite that keeps every column's type, which
+        // copies the live rows into the new file under its own transaction
+        // id, out of the snapshot's sight, and carries no truncate. Rows of
+        // the new file from the transaction that made it (the one that last
+        // wrote the table's pg_class row) tell the second; so does a
+        // TRUNCATE refilled in its own transaction, which the retaken
+        // snapshot then reads.
+        let current = sessions.take(&output.config).await?;
+        let rewritten: bool = current
+            .query_one(
+                &format!(
+                    "SELECT EXISTS (SELECT 1 FROM {from} WHERE xmin =
+                         (SELECT xmin FROM pg_class WHERE oid = $1::text::regclass))"
+                ),
+                &[&from],
+            )
+            .await?
+            .get(0);
+        sessions.put(current);
+        if rewritten {
+            return Err(RunError::Snapshot {
+                table,
+                message: "it was rewritten during the snapshot with its columns' types kept (ALTER TABLE ... SET ACCESS METHOD, a type changed USING an expression), or truncated and refilled in one transaction: the snapshot no longer sees the rows it has not copied; the next start takes the snapshot again".into(),
+            });
+        }
     }
     // Events of a stream keep their order: an outbox table's rows go out
     // in its snapshot order, in one chunk.
