@@ -74,9 +74,7 @@ pub fn to_json(v: &Value, schema: &Json, names: &HashMap<String, Json>) -> Json 
         (Value::Float(f), _) => json!(f.to_string()),
         (Value::Double(f), _) => json!(f.to_string()),
         (Value::String(s) | Value::Enum(_, s), _) => json!(s),
-        (Value::Bytes(b) | Value::Fixed(_, b), _) => {
-            json!(b.iter().map(|x| format!("{x:02x}")).collect::<String>())
-        }
+        (Value::Bytes(b) | Value::Fixed(_, b), _) => json!(crate::encode::hex(b)),
         (Value::Uuid(u), _) => json!(u.to_string()),
         (Value::Array(items), s) => {
             let item = s.get("items").unwrap_or(&Json::Null);

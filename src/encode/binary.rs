@@ -175,14 +175,7 @@ pub fn text(kind: &Kind, b: &[u8]) -> Option<String> {
             float(f, || shortest(&format!("{f:e}"), 15))
         }
         Kind::Decimal { .. } | Kind::VariableDecimal => Numeric::read(b)?.text(),
-        Kind::Bytes => {
-            let mut s = String::with_capacity(2 + 2 * b.len());
-            s.push_str("\\x");
-            for byte in b {
-                s.push_str(&format!("{byte:02x}"));
-            }
-            s
-        }
+        Kind::Bytes => super::bytea_hex(b),
         Kind::Uuid => hyphenated(fixed(b)?, &mut [0; 36]).to_string(),
         Kind::Date => match i32::from_be_bytes(*fixed(b)?) {
             i32::MAX => "infinity".into(),
@@ -286,7 +279,7 @@ fn shortest(sci: &str, plain_below: i32) -> String {
 
 /// A uuid's 16 bytes as Postgres writes them: lowercase, hyphenated.
 fn hyphenated<'b>(u: &[u8; 16], buf: &'b mut [u8; 36]) -> &'b str {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
+    use super::HEX_DIGITS as HEX;
     let mut at = 0;
     for (i, byte) in u.iter().enumerate() {
         if matches!(i, 4 | 6 | 8 | 10) {

@@ -746,9 +746,42 @@ pub fn decode_datum(schema: &Schema, mut datum: &[u8]) -> Result<Value, EncodeEr
         .map_err(|e| EncodeError::Avro(e.to_string()))
 }
 
+/// Lowercase hex digits by value.
+pub(crate) const HEX_DIGITS: &[u8; 16] = b"0123456789abcdef";
+
+/// Bytes as two lowercase hex digits each.
+pub fn hex(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(2 * bytes.len());
+    push_hex(&mut s, bytes);
+    s
+}
+
+/// Bytes as Postgres writes a `bytea` (`bytea_output = hex`): `\x`, then
+/// two lowercase hex digits a byte.
+pub fn bytea_hex(bytes: &[u8]) -> String {
+    let mut s = String::with_capacity(2 + 2 * bytes.len());
+    s.push_str("\\x");
+    push_hex(&mut s, bytes);
+    s
+}
+
+fn push_hex(s: &mut String, bytes: &[u8]) {
+    for b in bytes {
+        s.push(char::from(HEX_DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(HEX_DIGITS[usize::from(b & 0xF)]));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bytes_render_as_lowercase_hex_and_as_postgres_writes_a_bytea() {
+        assert_eq!(hex(&[0x00, 0x0f, 0xab, 0xff]), "000fabff");
+        assert_eq!(bytea_hex(&[0x00, 0x0f, 0xab, 0xff]), "\\x000fabff");
+        assert_eq!(bytea_hex(&[]), "\\x");
+    }
 
     fn orders() -> TableDesc {
         let col = |name: &str, oid: u32, typmod: i32, key: bool| ColumnDesc {

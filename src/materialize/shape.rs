@@ -234,14 +234,7 @@ fn render(v: &Value, schema: &Json, names: &HashMap<String, Json>) -> Result<Str
         }
         Value::String(s) | Value::Enum(_, s) => s.clone(),
         Value::Uuid(u) => u.to_string(),
-        Value::Bytes(b) | Value::Fixed(_, b) => {
-            let mut s = String::with_capacity(2 + b.len() * 2);
-            s.push_str("\\x");
-            for x in b {
-                s.push_str(&format!("{x:02x}"));
-            }
-            s
-        }
+        Value::Bytes(b) | Value::Fixed(_, b) => crate::encode::bytea_hex(b),
         Value::Date(days) => date_text(i64::from(*days)),
         Value::TimeMicros(us) => time_text(*us),
         Value::TimestampMicros(us) => timestamp_text(*us, "+00"),
