@@ -35,59 +35,31 @@ struct Certs {
     server_key: PathBuf,
 }
 
+/// An EC P-256 key and certificate request, `-nodes`: no passphrase.
+const EC_KEY: [&str; 5] = [
+    "-newkey",
+    "ec",
+    "-pkeyopt",
+    "ec_paramgen_curve:prime256v1",
+    "-nodes",
+];
+
 fn make_certs(dir: &Path) -> Certs {
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:prime256v1",
-        "-nodes",
-    ];
     for (name, subject) in [("ca", "/CN=pgcdc test CA"), ("other", "/CN=pgcdc other CA")] {
         let (key, crt) = (format!("{name}.key"), format!("{name}.crt"));
         let mut args = vec!["req", "-x509"];
-        args.extend(ec);
+        args.extend(EC_KEY);
         args.extend([
             "-keyout", &key, "-out", &crt, "-days", "2", "-subj", subject,
         ]);
         openssl(dir, &args);
     }
-    let mut args = vec!["req"];
-    args.extend(ec);
-    args.extend([
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
+    issue(
+        dir,
+        "server",
         "/CN=localhost",
-    ]);
-    openssl(dir, &args);
-    std::fs::write(
-        dir.join("server.ext"),
         "subjectAltName = DNS:localhost\nbasicConstraints = CA:FALSE\n\
          keyUsage = digitalSignature\nextendedKeyUsage = serverAuth\n",
-    )
-    .expect("extensions");
-    openssl(
-        dir,
-        &[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            "server.crt",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-        ],
     );
     Certs {
         ca: dir.join("ca.crt"),
@@ -95,6 +67,43 @@ fn make_certs(dir: &Path) -> Certs {
         server_cert: dir.join("server.crt"),
         server_key: dir.join("server.key"),
     }
+}
+
+/// `name.key` and `name.crt` for `subject`, signed by the test CA with
+/// `extensions`.
+fn issue(dir: &Path, name: &str, subject: &str, extensions: &str) -> (PathBuf, PathBuf) {
+    let (key, csr, ext, crt) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.ext"),
+        format!("{name}.crt"),
+    );
+    let mut args = vec!["req"];
+    args.extend(EC_KEY);
+    args.extend(["-keyout", &key, "-out", &csr, "-subj", subject]);
+    openssl(dir, &args);
+    std::fs::write(dir.join(&ext), extensions).expect("extensions");
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &crt,
+            "-days",
+            "2",
+            "-extfile",
+            &ext,
+        ],
+    );
+    (dir.join(crt), dir.join(key))
 }
 
 /// pgwire-replication 0.5.0's verify-ca verifier forgives rustls'
@@ -310,4 +319,83 @@ async fn postgres_connections_are_encrypted_and_verify_the_server() {
         "{}",
         run.all_output()
     );
+}
+
+/// A server that authenticates by client certificate (`cert` in
+/// pg_hba.conf): `sslcert` and `sslkey` go to the server on the SQL
+/// sessions and on the replication connection; without them the server
+/// refuses, and a certificate file that does not exist is named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_certificates_authenticate_sql_sessions_and_the_replication_stream() {
+    let stack = support::stack();
+    let cluster = ScratchCluster::start(&LOGICAL);
+    let certs = make_certs(cluster.dir());
+    let (client_cert, client_key) = issue(
+        cluster.dir(),
+        "client",
+        "/CN=postgres",
+        "basicConstraints = CA:FALSE\nkeyUsage = digitalSignature\nextendedKeyUsage = clientAuth\n",
+    );
+    cluster.give_to_server(&certs.server_key);
+    cluster.reconfigure(
+        &[
+            "ssl = on",
+            &format!("ssl_cert_file = '{}'", certs.server_cert.display()),
+            &format!("ssl_key_file = '{}'", certs.server_key.display()),
+            &format!("ssl_ca_file = '{}'", certs.ca.display()),
+        ],
+        &[
+            "hostssl tls_cert all 0.0.0.0/0 cert",
+            "host tls_cert all 0.0.0.0/0 reject",
+        ],
+    );
+    let admin = support::connect(&cluster.socket_url("postgres")).await;
+    admin
+        .batch_execute("CREATE DATABASE tls_cert")
+        .await
+        .expect("database");
+    let source = support::connect(&cluster.socket_url("tls_cert")).await;
+    mat::seed(&source, 10, 20).await;
+    let port = cluster.port;
+    let url = |params: String| format!("postgres://postgres@localhost:{port}/tls_cert?{params}");
+    let ca = format!("sslmode=verify-full&sslrootcert={}", certs.ca.display());
+    let with_cert = url(format!(
+        "{ca}&sslcert={}&sslkey={}",
+        client_cert.display(),
+        client_key.display()
+    ));
+    // A reload is a signal: wait until the server takes the certificate.
+    // Only it gets in: pg_hba.conf admits TCP by certificate alone, so a
+    // check that passes presented it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while let Err(e) = pgcdc::source::connect(&pgcdc::secret::Dsn::new(with_cert.clone())).await {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no certificate login after reload: {}",
+            pgcdc::source::error_text(&e)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let name = support::unique("tlscert");
+    let cases: [(String, &str, &str); 3] = [
+        (with_cert.clone(), "PASS", ""),
+        (url(ca.clone()), "FAIL", "certificate"),
+        (
+            url(format!("{ca}&sslcert=/nonexistent/me.crt")),
+            "FAIL",
+            "sslcert: client certificate file \"/nonexistent/me.crt\" does not exist",
+        ),
+    ];
+    for (dsn, status, says) in &cases {
+        let file = ConfigFile::write(&config(&stack, dsn, dsn, &name));
+        let run = support::pgcdc(&["check", "--config", file.arg()]).await;
+        for check in ["postgres.connect", "postgres.replication", "target.connect"] {
+            let line = run.check_line(check).unwrap_or_default();
+            assert!(
+                line.starts_with(status) && run.stdout.contains(says),
+                "{dsn}: expected {check} {status} with {says:?}:\n{}",
+                run.all_output()
+            );
+        }
+    }
 }

@@ -16,7 +16,9 @@
 //!
 //! tokio-postgres knows no `verify-*` modes, so they never reach it: it is
 //! told `require` and the rustls verifier does the checking. One rustls
-//! crypto provider (ring) serves both connections.
+//! crypto provider (ring) serves both connections. A client certificate
+//! (`sslcert`, `sslkey`, or libpq's `~/.postgresql/postgresql.crt` and
+//! `.key` when they exist) goes to the server on both as well.
 
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -82,6 +84,16 @@ pub enum Roots {
 pub struct Tls {
     pub mode: SslMode,
     pub roots: Roots,
+    /// The certificate the client presents, if any.
+    pub client: Option<ClientCert>,
+}
+
+/// A client certificate chain and its private key, PEM files (as libpq
+/// reads them; a key encrypted with `sslpassword` is not supported).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientCert {
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 /// A parsed connection string: tokio-postgres' settings plus our TLS.
@@ -103,6 +115,7 @@ impl Endpoint {
         };
         let mut mode = None;
         let mut root = None;
+        let (mut cert, mut key) = (None, None);
         let mut cut = Vec::new();
         for p in &params {
             match p.key.as_str() {
@@ -114,6 +127,14 @@ impl Endpoint {
                 }
                 "sslrootcert" => {
                     root = Some(p.value.clone());
+                    cut.push(p.span.clone());
+                }
+                "sslcert" => {
+                    cert = Some(PathBuf::from(&p.value));
+                    cut.push(p.span.clone());
+                }
+                "sslkey" => {
+                    key = Some(PathBuf::from(&p.value));
                     cut.push(p.span.clone());
                 }
                 _ => {}
@@ -137,17 +158,36 @@ impl Endpoint {
             SslMode::Prefer => WireMode::Prefer,
             _ => WireMode::Require,
         });
+        // As libpq: the default certificate only when it exists, its key
+        // beside it unless named.
+        let client = match cert {
+            Some(cert) => Some(cert),
+            None => Some(libpq_file("postgresql.crt")).filter(|c| c.exists()),
+        }
+        .map(|cert| ClientCert {
+            cert,
+            key: key.unwrap_or_else(|| libpq_file("postgresql.key")),
+        });
         Ok(Endpoint {
             pg,
-            tls: Tls { mode, roots },
+            tls: Tls {
+                mode,
+                roots,
+                client,
+            },
         })
     }
 }
 
 /// libpq's default CA file.
 fn default_root_file() -> PathBuf {
+    libpq_file("root.crt")
+}
+
+/// A file of libpq's `~/.postgresql` directory.
+fn libpq_file(name: &str) -> PathBuf {
     let home = std::env::var_os("HOME").unwrap_or_default();
-    PathBuf::from(home).join(".postgresql").join("root.crt")
+    PathBuf::from(home).join(".postgresql").join(name)
 }
 
 /// What of the server's certificate is checked.
@@ -205,10 +245,18 @@ impl Tls {
                 Arc::new(ChainOnly(webpki))
             }
         };
-        Ok(builder
+        let builder = builder
             .dangerous()
-            .with_custom_certificate_verifier(verifier)
-            .with_no_client_auth())
+            .with_custom_certificate_verifier(verifier);
+        match &self.client {
+            Some(client) if self.mode != SslMode::Disable => {
+                let (chain, key) = client.read()?;
+                builder
+                    .with_client_auth_cert(chain, key)
+                    .map_err(|e| TlsError(format!("sslcert/sslkey: {e}")))
+            }
+            _ => Ok(builder.with_no_client_auth()),
+        }
     }
 
     fn root_store(&self) -> Result<RootCertStore, TlsError> {
@@ -261,7 +309,7 @@ impl Tls {
                 Roots::System => None,
             })
         };
-        Ok(match (self.mode, self.check()) {
+        let config = match (self.mode, self.check()) {
             (SslMode::Disable, _) => TlsConfig::disabled(),
             (SslMode::Prefer, _) => TlsConfig {
                 mode: pgwire_replication::SslMode::Prefer,
@@ -275,6 +323,14 @@ impl Tls {
                 TlsConfig::verify_full(ca()?).with_sni_hostname(host)
             }
             (_, Check::ChainAndName) => TlsConfig::verify_full(ca()?),
+        };
+        // Both files read here too, so both connections refuse them alike.
+        Ok(match &self.client {
+            Some(client) if self.mode != SslMode::Disable => {
+                client.read()?;
+                config.with_client_cert(&client.cert, &client.key)
+            }
+            _ => config,
         })
     }
 
@@ -286,6 +342,50 @@ impl Tls {
                 .map(MakeRustlsConnect::new)
                 .map_err(Arc::new),
         )
+    }
+}
+
+impl ClientCert {
+    /// The certificate chain and the key; an error names the parameter
+    /// and the file.
+    fn read(
+        &self,
+    ) -> Result<
+        (
+            Vec<CertificateDer<'static>>,
+            rustls::pki_types::PrivateKeyDer<'static>,
+        ),
+        TlsError,
+    > {
+        use rustls::pki_types::PrivateKeyDer;
+        let unreadable = |what: &str, path: &std::path::Path, e: &dyn std::fmt::Display| {
+            TlsError(format!("{what}: cannot read \"{}\": {e}", path.display()))
+        };
+        if !self.cert.exists() {
+            return Err(TlsError(format!(
+                "sslcert: client certificate file \"{}\" does not exist",
+                self.cert.display()
+            )));
+        }
+        if !self.key.exists() {
+            return Err(TlsError(format!(
+                "sslkey: private key file \"{}\" for client certificate \"{}\" does not exist",
+                self.key.display(),
+                self.cert.display()
+            )));
+        }
+        let chain = CertificateDer::pem_file_iter(&self.cert)
+            .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+            .map_err(|e| unreadable("sslcert", &self.cert, &e))?;
+        if chain.is_empty() {
+            return Err(TlsError(format!(
+                "sslcert: no certificate in \"{}\"",
+                self.cert.display()
+            )));
+        }
+        let key = PrivateKeyDer::from_pem_file(&self.key)
+            .map_err(|e| unreadable("sslkey", &self.key, &e))?;
+        Ok((chain, key))
     }
 }
 
@@ -321,6 +421,8 @@ pub fn refused_text(text: &str) -> bool {
         "TLS config error",
         "does not support TLS",
         "sslrootcert",
+        "sslcert",
+        "sslkey",
     ]
     .iter()
     .any(|t| text.contains(t))
@@ -647,10 +749,72 @@ mod tests {
     }
 
     #[test]
+    fn client_certificates_are_taken_out_of_both_forms_with_libpq_defaults() {
+        let e = parse("postgres://u@db/shop?sslmode=require&sslcert=%2Fc%2Fme.crt&sslkey=%2Fc%2Fme.key&application_name=x");
+        assert_eq!(
+            e.tls.client,
+            Some(ClientCert {
+                cert: "/c/me.crt".into(),
+                key: "/c/me.key".into()
+            })
+        );
+        assert_eq!(e.pg.get_application_name(), Some("x"));
+        // The key defaults to libpq's file, whatever the certificate's.
+        let e = parse("host=db sslcert='/c/my cert.crt' sslmode=verify-ca");
+        let client = e.tls.client.expect("client certificate");
+        assert_eq!(client.cert, PathBuf::from("/c/my cert.crt"));
+        assert!(client.key.ends_with(".postgresql/postgresql.key"));
+    }
+
+    #[test]
+    fn a_client_certificate_is_read_for_both_connections_and_errors_name_the_file() {
+        let dir = tempfile::tempdir().expect("dir");
+        let missing = Tls {
+            mode: SslMode::Require,
+            roots: Roots::File(dir.path().join("no-ca.pem")),
+            client: Some(ClientCert {
+                cert: dir.path().join("none.crt"),
+                key: dir.path().join("none.key"),
+            }),
+        };
+        let e = missing.client_config().expect_err("no certificate");
+        assert!(
+            e.0.starts_with("sslcert:") && e.0.contains("none.crt"),
+            "{e}"
+        );
+        assert!(refused_text(&e.0));
+        assert!(missing.replication("db").is_err());
+        // Not sent, so not read, when TLS is off.
+        let off = Tls {
+            mode: SslMode::Disable,
+            ..missing.clone()
+        };
+        assert!(off.client_config().is_ok() && off.replication("db").is_ok());
+        let cert = dir.path().join("me.crt");
+        std::fs::write(&cert, "not a certificate").expect("write");
+        let junk = Tls {
+            client: Some(ClientCert {
+                cert: cert.clone(),
+                key: dir.path().join("none.key"),
+            }),
+            ..missing
+        };
+        let e = junk.client_config().expect_err("no key");
+        assert!(
+            e.0.starts_with("sslkey:") && e.0.contains("none.key"),
+            "{e}"
+        );
+        std::fs::write(dir.path().join("none.key"), "not a key").expect("write");
+        let e = junk.client_config().expect_err("junk");
+        assert!(e.0.starts_with("sslcert:"), "{e}");
+    }
+
+    #[test]
     fn verifying_modes_need_a_readable_ca_file() {
         let tls = Tls {
             mode: SslMode::VerifyFull,
             roots: Roots::File("/nonexistent/ca.pem".into()),
+            client: None,
         };
         let e = tls.client_config().expect_err("no file");
         assert!(
@@ -671,12 +835,14 @@ mod tests {
         let tls = Tls {
             mode: SslMode::VerifyCa,
             roots: Roots::File(junk),
+            client: None,
         };
         let e = tls.client_config().expect_err("junk");
         assert!(e.0.contains("no CA certificate"), "{e}");
         let system = Tls {
             mode: SslMode::VerifyFull,
             roots: Roots::System,
+            client: None,
         };
         assert!(system.client_config().is_ok() && system.replication("db").is_ok());
         // An IP address is checked against the certificate's IP names.
@@ -689,6 +855,7 @@ mod tests {
         let require = Tls {
             mode: SslMode::Require,
             roots: Roots::File(ca),
+            client: None,
         };
         assert_eq!(require.check(), Check::Chain);
         assert!(!refused_text(
