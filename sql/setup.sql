@@ -19,17 +19,23 @@ FROM (SELECT DISTINCT split_part(trim(t), '.', 1) AS s
 SELECT format('GRANT SELECT ON %s TO %I', trim(t), :'role')
 FROM unnest(string_to_array(:'tables', ',')) t \gexec
 
+-- Tables without a primary key need an explicit replica identity before
+-- they are published (Postgres then refuses their UPDATEs and DELETEs);
+-- FULL is the safe fallback (at the cost of whole old rows in WAL). A
+-- partitioned table's setting does not reach its partitions, which
+-- Postgres checks: each partition (and inheritance child) gets its own.
+WITH RECURSIVE tree AS (
+    SELECT to_regclass(trim(t))::oid AS oid FROM unnest(string_to_array(:'tables', ',')) t
+    UNION
+    SELECT i.inhrelid FROM tree JOIN pg_inherits i ON i.inhparent = tree.oid)
+SELECT format('ALTER TABLE %s REPLICA IDENTITY FULL', c.oid::regclass)
+FROM tree JOIN pg_class c ON c.oid = tree.oid
+WHERE c.relkind = 'r' AND c.relreplident = 'd'
+  AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \gexec
+
 -- The publication is owned by the administrator; pgcdc only reads it. A
 -- partitioned table's changes go out under its own name (13 and later).
 SELECT format('CREATE PUBLICATION %I FOR TABLE %s%s', :'publication', :'tables',
               CASE WHEN current_setting('server_version_num')::int >= 130000
                    THEN ' WITH (publish_via_partition_root = true)' ELSE '' END)
 WHERE NOT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = :'publication') \gexec
-
--- Tables without a primary key need an explicit replica identity; FULL is
--- the safe fallback (at the cost of whole old rows in WAL).
-SELECT format('ALTER TABLE %s REPLICA IDENTITY FULL', c.oid::regclass)
-FROM unnest(string_to_array(:'tables', ',')) t
-JOIN pg_class c ON c.oid = to_regclass(trim(t))
-WHERE c.relreplident = 'd'
-  AND NOT EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary) \gexec

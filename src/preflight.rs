@@ -411,7 +411,8 @@ async fn check_table(
                     coalesce(has_table_privilege(c.oid, 'SELECT'), false),
                     coalesce(c.relreplident::text, ''),
                     EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisprimary),
-                    EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident)
+                    EXISTS (SELECT 1 FROM pg_index i WHERE i.indrelid = c.oid AND i.indisreplident),
+                    coalesce(c.relkind = 'p', false)
              FROM (SELECT to_regclass(format('%I.%I', $1::text, $2::text))::oid AS oid) r
              LEFT JOIN pg_class c ON c.oid = r.oid",
             &[&schema, &rel],
@@ -419,6 +420,7 @@ async fn check_table(
         .await?;
     let (exists, select, ident, has_pk, has_ident_index): (bool, bool, String, bool, bool) =
         (row.get(0), row.get(1), row.get(2), row.get(3), row.get(4));
+    let partitioned: bool = row.get(5);
     if !exists {
         r.fail(
             &name,
@@ -432,6 +434,34 @@ async fn check_table(
             &name,
             format!("role '{role}' lacks SELECT on {table}; the snapshot cannot read it"),
             format!("GRANT SELECT ON {sql} TO {}", quote_ident(role)),
+        );
+        return Ok(());
+    }
+    // Postgres checks each partition's (and inheritance child's) own
+    // replica identity; a partitioned table's does not reach them.
+    let bare: Vec<String> =
+        crate::source::catalog::without_replica_identity(client, &[table.to_string()])
+            .await?
+            .into_iter()
+            .filter_map(|(t, listed)| (!listed).then_some(t))
+            .collect();
+    if !bare.is_empty() {
+        r.fail(
+            &name,
+            format!(
+                "{table}: {} without a replica identity: their updates and deletes cannot be captured, and fail at the source once published",
+                bare.join(", ")
+            ),
+            format!(
+                "on each: add a primary key (to {sql}, which its partitions take), or ALTER TABLE <partition> REPLICA IDENTITY FULL"
+            ),
+        );
+        return Ok(());
+    }
+    if partitioned {
+        r.pass(
+            &name,
+            format!("{table}: SELECT granted, every partition has a replica identity"),
         );
         return Ok(());
     }

@@ -114,6 +114,82 @@ async fn check_fails_on_a_table_without_primary_key() {
     db.drop_db().await;
 }
 
+/// A partitioned table without a primary key: `REPLICA IDENTITY FULL` on
+/// the table does not reach its partitions, whose own settings Postgres
+/// checks, so the check fails naming the partition that lacks one, and
+/// `pgcdc run` creates no publication that would make its UPDATEs fail;
+/// with every partition FULL, both go ahead.
+#[tokio::test]
+async fn a_partition_without_a_replica_identity_fails_the_check_and_blocks_the_publication() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "check_parts").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.ev (id bigint, region int, v text) PARTITION BY LIST (region);
+             CREATE TABLE public.ev_1 PARTITION OF public.ev FOR VALUES IN (1);
+             CREATE TABLE public.ev_2 PARTITION OF public.ev FOR VALUES IN (2);
+             ALTER TABLE public.ev REPLICA IDENTITY FULL;
+             ALTER TABLE public.ev_1 REPLICA IDENTITY FULL;
+             INSERT INTO public.ev VALUES (1, 1, 'a'), (2, 2, 'b');",
+        )
+        .await
+        .expect("tables");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.ev"]);
+    let config = ConfigFile::write(&toml);
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+    let line = run.check_line("table.public.ev").unwrap_or_default();
+    assert!(
+        line.starts_with("FAIL") && line.contains("public.ev_2 without a replica identity"),
+        "{}",
+        run.stdout
+    );
+    assert!(!line.contains("public.ev_1"), "{line}");
+
+    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let err = pgcdc::source::slot::ensure_publication(&client, &parsed)
+        .await
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        err.starts_with("public.ev_2: no replica identity")
+            && err.contains("did not create publication"),
+        "{err}"
+    );
+    let publications: i64 = client
+        .query_one("SELECT count(*) FROM pg_publication", &[])
+        .await
+        .expect("publications")
+        .get(0);
+    assert_eq!(publications, 0);
+    // The application's writes still work.
+    client
+        .batch_execute("UPDATE public.ev SET v = 'c' WHERE id = 2")
+        .await
+        .expect("update");
+
+    client
+        .batch_execute("ALTER TABLE public.ev_2 REPLICA IDENTITY FULL")
+        .await
+        .expect("identity");
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+    let line = run.check_line("table.public.ev").unwrap_or_default();
+    assert!(
+        line.starts_with("PASS") && line.contains("every partition has a replica identity"),
+        "{}",
+        run.stdout
+    );
+    assert!(pgcdc::source::slot::ensure_publication(&client, &parsed)
+        .await
+        .expect("publication"));
+    client
+        .batch_execute("UPDATE public.ev SET v = 'd' WHERE id = 2")
+        .await
+        .expect("update once published");
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn check_fails_on_a_missing_select_grant() {
     let stack = support::stack();

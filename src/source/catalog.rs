@@ -129,6 +129,45 @@ pub async fn table_oids(
         .collect())
 }
 
+/// The relations publishing `tables` would cover that have no usable
+/// replica identity (no primary key under `REPLICA IDENTITY DEFAULT`, a
+/// dropped identity index, or `NOTHING`), as SQL spells them: the tables
+/// themselves, and the partitions of a partitioned table and the children
+/// of an inherited one, whose own settings are the ones Postgres checks
+/// (a partitioned table's does not reach them). Once such a relation is
+/// published, Postgres refuses UPDATE and DELETE on it.
+/// Each name comes with whether it is one of `tables` itself (rather than
+/// a partition or child of one).
+pub async fn without_replica_identity(
+    client: &Client,
+    tables: &[String],
+) -> Result<Vec<(String, bool)>, tokio_postgres::Error> {
+    let names: Vec<String> = tables.iter().map(|t| super::slot::sql_table(t)).collect();
+    Ok(client
+        .query(
+            "WITH RECURSIVE tree AS (
+                 SELECT to_regclass(n)::oid AS oid, true AS listed FROM unnest($1::text[]) n
+                 WHERE to_regclass(n) IS NOT NULL
+                 UNION
+                 SELECT i.inhrelid, false FROM tree JOIN pg_inherits i ON i.inhparent = tree.oid)
+             SELECT quote_ident(n.nspname) || '.' || quote_ident(c.relname), tree.listed
+             FROM tree JOIN pg_class c ON c.oid = tree.oid
+             JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE c.relkind = 'r' AND NOT (
+                 c.relreplident = 'f'
+                 OR (c.relreplident = 'd' AND EXISTS (SELECT 1 FROM pg_index i
+                     WHERE i.indrelid = c.oid AND i.indisprimary))
+                 OR (c.relreplident = 'i' AND EXISTS (SELECT 1 FROM pg_index i
+                     WHERE i.indrelid = c.oid AND i.indisreplident)))
+             ORDER BY 1",
+            &[&names],
+        )
+        .await?
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect())
+}
+
 /// The leaf partitions of a partitioned table, at any depth, in oid
 /// order; `None` when the table is not partitioned.
 pub async fn leaf_partitions(

@@ -1,6 +1,8 @@
 //! Replication slot and publication management.
 //!
-//! Guarantees: a publication is created only when missing and never
+//! Guarantees: a publication is created only when missing, and only when
+//! every relation it would cover has a replica identity (Postgres refuses
+//! UPDATE and DELETE on a published one without), and never
 //! altered behind the operator's back (a publication that misses a
 //! captured table, or publishes a partitioned table's changes under its
 //! partitions' names, is an error naming the fix); a slot is dropped only when
@@ -32,6 +34,8 @@ pub enum SlotError {
     },
     #[error("publication '{publication}' publishes changes to the partitions of {tables} under the partitions' own names, to topics no snapshot fills; fix: ALTER PUBLICATION {publication} SET (publish_via_partition_root = true)")]
     PublicationByPartition { publication: String, tables: String },
+    #[error("{tables}: no replica identity (no primary key under REPLICA IDENTITY DEFAULT, or NOTHING); once published, UPDATE and DELETE on them would fail at the source, so pgcdc did not create publication '{publication}'. fix: add a primary key, or ALTER TABLE ... REPLICA IDENTITY FULL (on each partition of a partitioned table, which its own setting does not reach; free for a table that is only ever inserted into)")]
+    NoReplicaIdentity { publication: String, tables: String },
     #[error("slot '{slot}' is in use by process {pid}; stop that consumer first")]
     Active { slot: String, pid: i32 },
     #[error("slot '{0}' does not exist")]
@@ -283,6 +287,17 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
         .await?
         .is_some();
     if !exists {
+        let bare = super::catalog::without_replica_identity(client, &src.tables).await?;
+        if !bare.is_empty() {
+            return Err(SlotError::NoReplicaIdentity {
+                publication: src.publication.clone(),
+                tables: bare
+                    .into_iter()
+                    .map(|(t, _)| t)
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
         let tables: Vec<String> = src
             .tables
             .iter()
