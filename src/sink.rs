@@ -35,17 +35,18 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::OwnedHeaders;
 use rdkafka::producer::{
     BaseRecord, DeliveryResult, Producer as _, ProducerContext, ThreadedProducer,
 };
-use rdkafka::{ClientConfig, ClientContext, Message, Offset, TopicPartitionList};
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use tokio::sync::{oneshot, watch, Notify};
 
 use crate::config::KafkaConfig;
@@ -677,7 +678,7 @@ impl std::fmt::Debug for BulkProducer {
 /// polling thread).
 struct BulkDeliveries(Arc<std::sync::OnceLock<String>>);
 
-impl ClientContext for BulkDeliveries {}
+quiet_client_context!(BulkDeliveries);
 
 impl ProducerContext for BulkDeliveries {
     type DeliveryOpaque = ();
@@ -781,10 +782,112 @@ impl BulkProducer {
     }
 }
 
+/// How long repeats of one librdkafka message are folded into a count.
+const LOG_REPEAT_WINDOW: Duration = Duration::from_secs(30);
+
+/// Counts repeats of a message kind: the first of a kind passes, the rest
+/// are counted until [`LOG_REPEAT_WINDOW`] has passed since the last one
+/// that passed, and the next then passes with that count.
+#[derive(Default)]
+struct Repeats {
+    seen: HashMap<String, (Instant, u64)>,
+}
+
+impl Repeats {
+    /// `Some(repeats folded since the last one passed)` when `kind` passes.
+    fn admit(&mut self, kind: String, now: Instant) -> Option<u64> {
+        if self.seen.len() > 1024 {
+            self.seen.clear();
+        }
+        match self.seen.get_mut(&kind) {
+            Some((last, folded)) if now.duration_since(*last) < LOG_REPEAT_WINDOW => {
+                *folded += 1;
+                None
+            }
+            Some((last, folded)) => {
+                let n = *folded;
+                (*last, *folded) = (now, 0);
+                Some(n)
+            }
+            None => {
+                self.seen.insert(kind, (now, 0));
+                Some(0)
+            }
+        }
+    }
+}
+
+/// A message's kind: its text without digits (ports, broker ids) and
+/// without the `(after 0ms in state CONNECT, 1 identical error(s)
+/// suppressed)` that librdkafka appends.
+fn message_kind(fac: &str, message: &str) -> String {
+    let message = message.split(" (after ").next().unwrap_or(message);
+    let mut kind = String::with_capacity(fac.len() + message.len());
+    kind.push_str(fac);
+    kind.extend(message.chars().filter(|c| !c.is_ascii_digit()));
+    kind
+}
+
+static LIBRDKAFKA_REPEATS: std::sync::LazyLock<std::sync::Mutex<Repeats>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// librdkafka's log lines and global errors, passed on to ours with the
+/// repeats of a kind folded: in a broker outage it reports every failed
+/// connection attempt of every broker thread, several a second.
+pub(crate) fn librdkafka_log(level: RDKafkaLogLevel, fac: &str, message: &str) {
+    if matches!(level, RDKafkaLogLevel::Debug) {
+        tracing::debug!(target: "librdkafka", "librdkafka: {fac} {message}");
+        return;
+    }
+    let admitted = LIBRDKAFKA_REPEATS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .admit(message_kind(fac, message), Instant::now());
+    let Some(folded) = admitted else { return };
+    let more = if folded > 0 {
+        format!(
+            " ({folded} more like it in the last {} s)",
+            LOG_REPEAT_WINDOW.as_secs()
+        )
+    } else {
+        String::new()
+    };
+    match level {
+        RDKafkaLogLevel::Warning => {
+            tracing::warn!(target: "librdkafka", "librdkafka: {fac} {message}{more}")
+        }
+        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info | RDKafkaLogLevel::Debug => {
+            tracing::info!(target: "librdkafka", "librdkafka: {fac} {message}{more}")
+        }
+        _ => tracing::error!(target: "librdkafka", "librdkafka: {fac} {message}{more}"),
+    }
+}
+
+/// The `ClientContext` of pgcdc's long-lived Kafka clients: librdkafka's
+/// logs and global errors through [`librdkafka_log`].
+macro_rules! quiet_client_context {
+    ($t:ty) => {
+        impl rdkafka::ClientContext for $t {
+            fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+                $crate::sink::librdkafka_log(level, fac, message);
+            }
+
+            fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+                $crate::sink::librdkafka_log(
+                    rdkafka::config::RDKafkaLogLevel::Error,
+                    "ERROR",
+                    &format!("{error}: {reason}"),
+                );
+            }
+        }
+    };
+}
+pub(crate) use quiet_client_context;
+
 /// Runs on librdkafka's polling thread.
 struct Deliveries;
 
-impl ClientContext for Deliveries {}
+quiet_client_context!(Deliveries);
 
 impl ProducerContext for Deliveries {
     type DeliveryOpaque = Box<Ticket>;
@@ -1157,6 +1260,45 @@ impl Acks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repeats_of_a_librdkafka_message_are_folded_for_a_window() {
+        let kind = |port: &str| {
+            message_kind(
+                "FAIL",
+                &format!("127.0.0.1:{port}/bootstrap: Connect failed (after 0ms in state CONNECT)"),
+            )
+        };
+        assert_eq!(kind("35141"), kind("9092"), "numbers do not make a kind");
+        assert_eq!(
+            kind("1"),
+            message_kind(
+                "FAIL",
+                "127.0.0.1:1/bootstrap: Connect failed (after 3ms in state CONNECT, 1 identical error(s) suppressed)"
+            ),
+            "nor librdkafka's own count"
+        );
+        let mut r = Repeats::default();
+        let t0 = Instant::now();
+        assert_eq!(r.admit(kind("1"), t0), Some(0), "the first passes");
+        for s in 1..10 {
+            assert_eq!(r.admit(kind("1"), t0 + Duration::from_secs(s)), None);
+        }
+        assert_eq!(
+            r.admit(
+                message_kind("FAIL", "another kind"),
+                t0 + Duration::from_secs(1)
+            ),
+            Some(0)
+        );
+        // The window runs from the last one that passed.
+        assert_eq!(
+            r.admit(kind("1"), t0 + LOG_REPEAT_WINDOW),
+            Some(9),
+            "the next after the window passes with the count"
+        );
+        assert_eq!(r.admit(kind("1"), t0 + LOG_REPEAT_WINDOW), None);
+    }
 
     #[test]
     fn partition_counts_are_known_for_warmed_topics_only() {

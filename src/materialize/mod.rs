@@ -64,7 +64,6 @@ use std::time::{Duration, Instant};
 use apache_avro::types::Value;
 use apache_avro::Schema;
 use futures_util::{pin_mut, FutureExt, TryStreamExt};
-use rdkafka::client::ClientContext;
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext, StreamConsumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde_json::Value as Json;
@@ -1198,7 +1197,7 @@ type LiveConsumer = StreamConsumer<Commits>;
 /// See [`LiveConsumer`].
 struct Commits;
 
-impl ClientContext for Commits {}
+crate::sink::quiet_client_context!(Commits);
 
 impl ConsumerContext for Commits {
     fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, _: &TopicPartitionList) {
