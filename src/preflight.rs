@@ -367,6 +367,15 @@ async fn source_checks(
     for table in &src.tables {
         check_table(client, table, &role, r).await?;
     }
+    for (partition, ancestor) in
+        crate::source::catalog::listed_partitions(client, &src.tables).await?
+    {
+        r.fail(
+            &format!("table.{partition}"),
+            crate::source::catalog::listed_partition_problem(&partition, &ancestor),
+            format!("remove {partition} (or {ancestor}) from source.tables"),
+        );
+    }
     for (table, column) in config.tenant_columns() {
         let name = format!("partitioning.{table}.tenant_column");
         match crate::source::catalog::tenant_column_problem(client, table, column).await? {
@@ -383,14 +392,6 @@ async fn source_checks(
     }
     check_publication(client, config, superuser, r).await?;
     check_slot(client, config, r).await
-}
-
-/// `source.tables` as SQL spells them (quoted), for queries and fixes.
-fn sql_names(tables: &[String]) -> Vec<String> {
-    tables
-        .iter()
-        .map(|t| crate::source::slot::sql_table(t))
-        .collect()
 }
 
 async fn check_table(
@@ -510,7 +511,7 @@ async fn check_publication(
     let Some(row) = row else {
         // CREATE PUBLICATION ... FOR TABLE needs CREATE on the database and
         // ownership of every table.
-        let sql_names = sql_names(&src.tables);
+        let sql_names = crate::source::slot::sql_tables(&src.tables);
         let row = client
             .query_one(
                 "SELECT has_database_privilege(current_database(), 'CREATE'),
@@ -588,7 +589,7 @@ async fn check_publication(
             format!(
                 "ALTER PUBLICATION {} ADD TABLE {}",
                 src.publication,
-                sql_names(&missing).join(", ")
+                crate::source::slot::sql_tables(&missing).join(", ")
             ),
         );
     } else if missing_ops.iter().any(|op| *op != "truncate") {

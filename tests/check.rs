@@ -190,6 +190,57 @@ async fn a_partition_without_a_replica_identity_fails_the_check_and_blocks_the_p
     db.drop_db().await;
 }
 
+/// A partitioned table listed with one of its partitions: the partition's
+/// changes are published under the table's name only, so its own topic
+/// would get a snapshot and nothing after. `pgcdc check` fails it and
+/// `pgcdc run` stops before creating anything.
+#[tokio::test]
+async fn a_partition_listed_with_its_table_is_refused() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "check_listed").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.ev (id bigint, region int, PRIMARY KEY (id, region))
+                 PARTITION BY LIST (region);
+             CREATE TABLE public.ev_1 PARTITION OF public.ev FOR VALUES IN (1)
+                 PARTITION BY RANGE (id);
+             CREATE TABLE public.ev_1a PARTITION OF public.ev_1 FOR VALUES FROM (0) TO (100);",
+        )
+        .await
+        .expect("tables");
+    let config = ConfigFile::write(&support::pipeline_toml(
+        &stack,
+        &db.url,
+        &db.name,
+        &["public.ev_1a", "public.ev"],
+    ));
+    let said = "source.tables lists public.ev_1a, a partition of public.ev, which it lists too";
+    let run = support::pgcdc(&["check", "--config", config.arg()]).await;
+    assert!(
+        run.stdout
+            .lines()
+            .any(|l| l.starts_with("FAIL  table.public.ev_1a") && l.contains(said)),
+        "{}",
+        run.stdout
+    );
+    let run = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        support::pgcdc(&["run", "--config", config.arg()]),
+    )
+    .await
+    .expect("pgcdc run stops");
+    assert_ne!(run.code, 0);
+    assert!(run.stderr.contains(said), "{}", run.all_output());
+    let publications: i64 = client
+        .query_one("SELECT count(*) FROM pg_publication", &[])
+        .await
+        .expect("publications")
+        .get(0);
+    assert_eq!(publications, 0, "nothing created");
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn check_fails_on_a_missing_select_grant() {
     let stack = support::stack();

@@ -495,6 +495,52 @@ async fn the_slot_advances_while_captured_tables_idle_and_others_are_busy() {
     db.drop_db().await;
 }
 
+/// A table with inheritance children (partitioning the old way) is its
+/// own rows to its topic: Postgres publishes a child's changes under the
+/// child's name, so the snapshots, initial and incremental, read the
+/// table `ONLY`; read whole, its topic would hold the children's rows and
+/// none of their changes.
+#[tokio::test]
+async fn a_parent_table_is_snapshotted_without_its_inheritance_children() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_inherit").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.parent (id bigint PRIMARY KEY, v text);
+             CREATE TABLE public.child (extra int) INHERITS (public.parent);
+             ALTER TABLE public.child ADD PRIMARY KEY (id);
+             INSERT INTO public.parent SELECT g, 'p' FROM generate_series(1, 3) g;
+             INSERT INTO public.child SELECT g, 'c', 0 FROM generate_series(100, 104) g;
+             ANALYZE public.parent;",
+        )
+        .await
+        .expect("tables");
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.parent"]);
+    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let config = ConfigFile::write(&toml);
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    let marker = completed_marker(&parsed, &db).await;
+    assert_eq!(marker.rows.get("public.parent"), Some(&3));
+    support::wait_streaming(&client, &db.name).await;
+    let run = support::pgcdc(&[
+        "snapshot",
+        "--config",
+        config.arg(),
+        "--table",
+        "public.parent",
+    ])
+    .await;
+    assert!(
+        run.stdout.contains("public.parent 3 rows"),
+        "{}",
+        run.all_output()
+    );
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}
+
 /// A publication that covers more than `source.tables` (created by hand
 /// here; `FOR ALL TABLES` is the same): changes of the other tables are
 /// skipped, also inside transactions and truncates shared with a captured

@@ -860,8 +860,20 @@ async fn read_chunk(
             .map(|t| xid(t))
             .collect::<Result<_, _>>()?,
     };
+    // The table's own rows, not its inheritance children's (whose changes
+    // Postgres publishes under their own names); a partitioned table's
+    // rows are all in its partitions.
+    let partitioned: bool = client
+        .query_one(
+            "SELECT relkind = 'p' FROM pg_class WHERE oid = $1::text::regclass",
+            &[&qualified],
+        )
+        .await
+        .map_err(pg)?
+        .get(0);
+    let only = if partitioned { "" } else { "ONLY " };
     let copy = format!(
-        "COPY (SELECT {columns} FROM {qualified}{condition} ORDER BY {key_list} LIMIT {limit}) TO STDOUT"
+        "COPY (SELECT {columns} FROM {only}{qualified}{condition} ORDER BY {key_list} LIMIT {limit}) TO STDOUT"
     );
     let stream = client.copy_out(&copy).await.map_err(pg)?;
     futures_util::pin_mut!(stream);

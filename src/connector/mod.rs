@@ -1061,6 +1061,15 @@ async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunEr
 /// slot, then the replication stream started from the slot's position.
 async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<Ready, RunError> {
     let sql = source::connect(&config.source.url).await?;
+    if let Some((partition, ancestor)) = catalog::listed_partitions(&sql, &config.source.tables)
+        .await?
+        .into_iter()
+        .next()
+    {
+        return Err(RunError::Config(catalog::listed_partition_problem(
+            &partition, &ancestor,
+        )));
+    }
     slot::ensure_publication(&sql, &config).await?;
     check_tenant_columns(&sql, &config).await?;
     let topics: Vec<String> = config
@@ -1352,6 +1361,9 @@ struct TablePlan {
     chunks: Vec<Chunk>,
     /// Each column's form when the chunks copy in binary ([`binary_forms`]).
     forms: Option<Arc<[binary::Form]>>,
+    /// Whether a chunk of the table itself reads it `ONLY` (not
+    /// partitioned: its own rows, not its inheritance children's).
+    only: bool,
 }
 
 /// One chunk of a table's plan.
@@ -1371,6 +1383,7 @@ struct ChunkSpec<'a> {
     columns: &'a str,
     chunk: Chunk,
     forms: Option<&'a [binary::Form]>,
+    only: bool,
 }
 
 /// Source sessions of one snapshot, reused from chunk to chunk: a session
@@ -1498,9 +1511,16 @@ async fn plan_table(
         slot::quote_ident(&schema),
         slot::quote_ident(&name)
     );
-    let estimate = row_estimate(&client, oid, &qualified).await?;
-    metrics::gauge!(observe::SNAPSHOT_ROWS_ESTIMATED, "table" => table.to_string()).set(estimate);
     let partitions = catalog::leaf_partitions(&client, oid).await?;
+    // A table's own rows, without its inheritance children's: Postgres
+    // publishes a child's changes under the child's name.
+    let own = if partitions.is_some() {
+        qualified.clone()
+    } else {
+        format!("ONLY {qualified}")
+    };
+    let estimate = row_estimate(&client, oid, &own).await?;
+    metrics::gauge!(observe::SNAPSHOT_ROWS_ESTIMATED, "table" => table.to_string()).set(estimate);
     // An outbox table is copied whole and in key order (see copy_chunk).
     let chunks = if output.config.outbox.contains_key(table) {
         vec![Chunk::default()]
@@ -1562,6 +1582,7 @@ async fn plan_table(
         columns,
         chunks,
         forms,
+        only: own.starts_with("ONLY "),
     })
 }
 
@@ -1637,7 +1658,7 @@ async fn cut_relation(
 /// for a table never analysed nor vacuumed (`reltuples` -1, or 0 before
 /// Postgres 14), the planner's own estimate from its size, so that a
 /// freshly loaded table is still cut into chunks.
-async fn row_estimate(client: &Client, oid: u32, qualified: &str) -> Result<f64, RunError> {
+async fn row_estimate(client: &Client, oid: u32, from: &str) -> Result<f64, RunError> {
     let stats: f64 = client
         .query_one(
             "SELECT reltuples::float8 FROM pg_class WHERE oid = $1",
@@ -1649,7 +1670,7 @@ async fn row_estimate(client: &Client, oid: u32, qualified: &str) -> Result<f64,
         return Ok(stats);
     }
     let plan = client
-        .simple_query(&format!("EXPLAIN (FORMAT JSON) SELECT * FROM {qualified}"))
+        .simple_query(&format!("EXPLAIN (FORMAT JSON) SELECT * FROM {from}"))
         .await?;
     let rows = plan
         .iter()
@@ -1775,12 +1796,13 @@ async fn run_snapshot(
     for plan in &plans {
         for chunk in &plan.chunks {
             let (output, limit, sessions) = (output.clone(), limit.clone(), sessions.clone());
-            let (codec, table, columns, chunk, forms) = (
+            let (codec, table, columns, chunk, forms, only) = (
                 plan.codec.clone(),
                 plan.table.clone(),
                 plan.columns.clone(),
                 chunk.clone(),
                 plan.forms.clone(),
+                plan.only,
             );
             let progress = progress.clone();
             tasks.spawn(async move {
@@ -1789,6 +1811,7 @@ async fn run_snapshot(
                     columns: &columns,
                     chunk,
                     forms: forms.as_deref(),
+                    only,
                 };
                 let rows = copy_chunk(
                     &output,
@@ -1930,7 +1953,7 @@ async fn copy_chunk(
     consistent_point: Lsn,
     progress: &Progress,
 ) -> Result<u64, RunError> {
-    let (columns, forms) = (chunk.columns, chunk.forms);
+    let (columns, forms, only) = (chunk.columns, chunk.forms, chunk.only);
     let client = sessions.on_snapshot(&output.config).await?;
     let table = codec.desc.qualified();
     let qualified = format!(
@@ -1961,7 +1984,7 @@ async fn copy_chunk(
     // A partition's chunk reads the partition (the lock above, on the
     // parent, covers its partitions too).
     let chunk = chunk.chunk;
-    let (from, file_now) = match &chunk.partition {
+    let (rel, file_now) = match &chunk.partition {
         Some(p) => (
             format!(
                 "{}.{}",
@@ -1979,6 +2002,12 @@ async fn copy_chunk(
             },
         ),
         None => (qualified.clone(), now.filenode),
+    };
+    // The table's own rows, not its inheritance children's (see TablePlan).
+    let from = if only && chunk.partition.is_none() {
+        format!("ONLY {rel}")
+    } else {
+        rel.clone()
     };
     // A new file since the plan: after a TRUNCATE (or a rewriting ALTER
     // TABLE) the snapshot sees the table empty, not MVCC-safe, and the
@@ -2011,7 +2040,7 @@ async fn copy_chunk(
                     "SELECT EXISTS (SELECT 1 FROM {from} WHERE xmin =
                          (SELECT xmin FROM pg_class WHERE oid = $1::text::regclass))"
                 ),
-                &[&from],
+                &[&rel],
             )
             .await?
             .get(0);

@@ -117,7 +117,7 @@ pub async fn table_oids(
     client: &Client,
     tables: &[String],
 ) -> Result<Vec<u32>, tokio_postgres::Error> {
-    let names: Vec<String> = tables.iter().map(|t| super::slot::sql_table(t)).collect();
+    let names = super::slot::sql_tables(tables);
     Ok(client
         .query(
             "SELECT to_regclass(t)::oid FROM unnest($1::text[]) t WHERE to_regclass(t) IS NOT NULL",
@@ -142,7 +142,7 @@ pub async fn without_replica_identity(
     client: &Client,
     tables: &[String],
 ) -> Result<Vec<(String, bool)>, tokio_postgres::Error> {
-    let names: Vec<String> = tables.iter().map(|t| super::slot::sql_table(t)).collect();
+    let names = super::slot::sql_tables(tables);
     Ok(client
         .query(
             "WITH RECURSIVE tree AS (
@@ -166,6 +166,48 @@ pub async fn without_replica_identity(
         .iter()
         .map(|r| (r.get(0), r.get(1)))
         .collect())
+}
+
+/// Pairs of `tables` (as configured) where the first is a partition, at
+/// any depth, of the second. Publishing through the root, Postgres sends
+/// the partition's changes under the ancestor's name only, so the
+/// partition's own topic would get its snapshot and nothing after.
+pub async fn listed_partitions(
+    client: &Client,
+    tables: &[String],
+) -> Result<Vec<(String, String)>, tokio_postgres::Error> {
+    let names = super::slot::sql_tables(tables);
+    Ok(client
+        .query(
+            "WITH RECURSIVE t AS (
+                 SELECT x.n, to_regclass(x.name)::oid AS oid
+                 FROM unnest($1::text[]) WITH ORDINALITY AS x(name, n)
+                 WHERE to_regclass(x.name) IS NOT NULL),
+             up AS (
+                 SELECT t.n, i.inhparent AS anc FROM t
+                 JOIN pg_inherits i ON i.inhrelid = t.oid
+                 JOIN pg_class c ON c.oid = t.oid AND c.relispartition
+                 UNION
+                 SELECT up.n, i.inhparent FROM up
+                 JOIN pg_inherits i ON i.inhrelid = up.anc
+                 JOIN pg_class c ON c.oid = up.anc AND c.relispartition)
+             SELECT up.n, t.n FROM up JOIN t ON t.oid = up.anc ORDER BY 1, 2",
+            &[&names],
+        )
+        .await?
+        .iter()
+        .map(|r| {
+            let at = |i: usize| tables[(r.get::<_, i64>(i) - 1) as usize].clone();
+            (at(0), at(1))
+        })
+        .collect())
+}
+
+/// The message for a [`listed_partitions`] pair.
+pub fn listed_partition_problem(partition: &str, ancestor: &str) -> String {
+    format!(
+        "source.tables lists {partition}, a partition of {ancestor}, which it lists too: Postgres publishes the partition's changes under {ancestor}'s name, so {partition}'s topic would get its snapshot and nothing after; list one of them"
+    )
 }
 
 /// The leaf partitions of a partitioned table, at any depth, in oid

@@ -326,13 +326,7 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
         return Ok(true);
     }
     let gaps = publication_gaps(client, config).await?;
-    let names = |tables: &[String]| {
-        tables
-            .iter()
-            .map(|t| sql_table(t))
-            .collect::<Vec<_>>()
-            .join(", ")
-    };
+    let names = |tables: &[String]| sql_tables(tables).join(", ");
     if !gaps.by_partition.is_empty() {
         return Err(SlotError::PublicationByPartition {
             publication: src.publication.clone(),
@@ -379,7 +373,7 @@ pub async fn publication_gaps(
         .collect();
     // `pubviaroot` exists from 13 on, as do partitioned tables in a
     // publication; read through jsonb so that 12 answers too (NULL).
-    let names: Vec<String> = src.tables.iter().map(|t| sql_table(t)).collect();
+    let names = sql_tables(&src.tables);
     let by_partition: Vec<String> = client
         .query(
             "SELECT t.n FROM unnest($2::text[]) WITH ORDINALITY AS t(name, n)
@@ -404,6 +398,11 @@ pub async fn publication_gaps(
         missing,
         by_partition,
     })
+}
+
+/// [`sql_table`] of each.
+pub fn sql_tables(tables: &[String]) -> Vec<String> {
+    tables.iter().map(|t| sql_table(t)).collect()
 }
 
 /// A `source.tables` entry as an operator would type it in SQL, quoted
