@@ -26,7 +26,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::message::{Headers, Message};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, Transaction};
@@ -414,12 +414,12 @@ pub async fn follow(
     let mut db = source::connect(url).await.map_err(pg)?;
     prepare(&db, projection.as_ref()).await?;
     sink::ensure_event_topics(kafka, topics).await?;
-    let consumer: StreamConsumer = sink::client_config(kafka)
+    let consumer: sink::QuietConsumer = sink::client_config(kafka)
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")
         .set("isolation.level", "read_committed")
-        .create()?;
+        .create_with_context(sink::Quiet)?;
     let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
     consumer.subscribe(&refs)?;
     tokio::pin!(stop);

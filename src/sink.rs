@@ -884,6 +884,18 @@ macro_rules! quiet_client_context {
 }
 pub(crate) use quiet_client_context;
 
+/// The context of pgcdc's other long-lived consumers (projections, `pgcdc
+/// tail`, rebuilds): librdkafka's logs with their repeats folded.
+#[derive(Debug)]
+pub struct Quiet;
+
+quiet_client_context!(Quiet);
+
+impl rdkafka::consumer::ConsumerContext for Quiet {}
+
+/// A stream consumer whose librdkafka logs fold their repeats.
+pub type QuietConsumer = rdkafka::consumer::StreamConsumer<Quiet>;
+
 /// Runs on librdkafka's polling thread.
 struct Deliveries;
 

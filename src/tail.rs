@@ -150,10 +150,10 @@ pub async fn run(
         ] {
             cc.remove(producer_only);
         }
-        let consumer: BaseConsumer = cc
+        let consumer: BaseConsumer<crate::sink::Quiet> = cc
             .set("group.id", "pgcdc-tail")
             .set("enable.auto.commit", "false")
-            .create()
+            .create_with_context(crate::sink::Quiet)
             .map_err(|e| e.to_string())?;
         let mut tpl = TopicPartitionList::new();
         for topic in &topics {

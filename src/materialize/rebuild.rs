@@ -44,7 +44,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{Consumer, StreamConsumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::message::OwnedMessage;
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
@@ -355,7 +355,7 @@ pub async fn run(
         max_message_bytes: config.kafka.max_message_bytes,
     };
 
-    let consumer: StreamConsumer = sink::client_config(&config.kafka)
+    let consumer: sink::QuietConsumer = sink::client_config(&config.kafka)
         .set("group.id", format!("pgcdc-rebuild-{}", config.name))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
@@ -363,7 +363,7 @@ pub async fn run(
         // An offset retention deleted before we read it is an error, never
         // a silent jump to what remains.
         .set("auto.offset.reset", "error")
-        .create()?;
+        .create_with_context(sink::Quiet)?;
     let marks = watermarks(config, &topics, &from).await?;
     let firsts = marks.start.clone();
     let mut positions = firsts.clone();
@@ -576,7 +576,7 @@ async fn watermarks(
     Ok(Marks { start, end })
 }
 
-fn assign(consumer: &StreamConsumer, positions: &Positions) -> Result<(), RebuildError> {
+fn assign(consumer: &sink::QuietConsumer, positions: &Positions) -> Result<(), RebuildError> {
     let mut tpl = TopicPartitionList::new();
     for ((topic, partition), offset) in positions {
         tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
@@ -589,7 +589,7 @@ fn assign(consumer: &StreamConsumer, positions: &Positions) -> Result<(), Rebuil
 /// partition reached its end. Records at or past a partition's end are
 /// left for later (the swap reads them again from `positions`).
 async fn next_batch(
-    consumer: &StreamConsumer,
+    consumer: &sink::QuietConsumer,
     positions: &mut Positions,
     ends: &Positions,
     max: usize,
@@ -677,7 +677,7 @@ type Swapped = (Positions, BTreeMap<String, i64>, BTreeMap<String, i64>);
 async fn swap(
     db: &mut Client,
     state: &mut State,
-    consumer: &StreamConsumer,
+    consumer: &sink::QuietConsumer,
     positions: &mut Positions,
     config: &Config,
     topics: &[String],
