@@ -300,6 +300,39 @@ async fn mirrors_and_read_models_converge_and_a_replay_applies_nothing_twice() {
     target_db.drop_db().await;
 }
 
+/// The target down when the materializer starts (a deploy that starts
+/// both at once): it waits for the target, warning, and applies once it
+/// answers, instead of exiting.
+#[tokio::test]
+async fn a_target_down_at_start_up_is_waited_for() {
+    let stack = support::stack();
+    let (source_db, target_db, source, _) = databases(&stack, "mat_late", 50, 200).await;
+    let cluster = support::ScratchCluster::start(&[]);
+    support::connect(&cluster.socket_url("postgres"))
+        .await
+        .batch_execute("CREATE DATABASE late")
+        .await
+        .expect("database");
+    cluster.stop();
+    let toml =
+        pipeline(&stack, &source_db, &target_db).replace(&target_db.url, &cluster.url("late"));
+    let config = ConfigFile::write(&toml);
+    let connector = ConnectorProcess::start(&config);
+    let mut late = materializer(&config, &[], &[]);
+    tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    assert!(
+        late.try_wait().expect("status").is_none(),
+        "the materializer exited while the target was down"
+    );
+    cluster.start_again();
+    let target = support::connect(&cluster.url("late")).await;
+    wait_converged(&source, &target).await;
+    assert_eq!(terminate(late).await, Some(0));
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
+}
+
 /// Seeds the demo schema with `customers` customers and `orders` orders.
 pub(crate) async fn seed(client: &tokio_postgres::Client, customers: i64, orders: i64) {
     support::apply_sql_file(client, "sql/demo/schema.sql").await;

@@ -919,12 +919,16 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         .target
         .clone()
         .ok_or_else(|| MaterializeError::Config("target: is required".into()))?;
-    let mut db = crate::source::connect(&target.url).await?;
+    let Some((mut db, prepared)) = start_on_target(&config, &target.url, &mut shutdown).await?
+    else {
+        tracing::info!("stopped before the target database answered");
+        return Ok(());
+    };
     let Prepared {
         registry,
         mirrors,
         views,
-    } = prepare(&config, &db).await?;
+    } = prepared;
     let dlq = dlq_topic(&config);
     sink::ensure_dlq_topic(&config.kafka, &dlq).await?;
     sink::check_dlq_topic(&config.kafka, &dlq)
@@ -1161,6 +1165,46 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Connects to the target and prepares it. A target that is not up yet
+/// (refused, starting up: what [`MaterializeError::retry_cause`] calls an
+/// outage of the target, when a deploy starts both at once) is waited for
+/// with backoff, as a later outage is; anything else (credentials, a
+/// missing database, a refused certificate, a bad read model) stops it.
+/// `None` when a stop is asked for while waiting.
+async fn start_on_target(
+    config: &Config,
+    url: &crate::secret::Dsn,
+    shutdown: &mut crate::Shutdown,
+) -> Result<Option<(Client, Prepared)>, MaterializeError> {
+    let mut attempt = 0u32;
+    loop {
+        let started = async {
+            let db = crate::source::connect(url).await?;
+            let prepared = prepare(config, &db).await?;
+            Ok::<_, MaterializeError>((db, prepared))
+        }
+        .await;
+        let e = match started {
+            Ok(ready) => return Ok(Some(ready)),
+            Err(e) => e,
+        };
+        let refused =
+            matches!(&e, MaterializeError::Postgres(pg) if crate::source::tls::refused(pg));
+        if refused || e.retry_cause() != Some("target") {
+            return Err(e);
+        }
+        attempt += 1;
+        let delay = Duration::from_millis(200u64 << attempt.min(8)).min(Duration::from_secs(30));
+        metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => "target").increment(1);
+        tracing::warn!(attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
+            "target database not reachable at start-up; waiting for it");
+        tokio::select! {
+            _ = shutdown.requested() => return Ok(None),
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
 }
 
 /// Commits `offsets` (the next offset to read per partition), keeping

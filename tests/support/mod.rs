@@ -406,6 +406,27 @@ impl ScratchCluster {
         run_ok(reload, "reload scratch cluster");
     }
 
+    /// `pg_ctl stop -m fast`: the cluster is down until [`Self::start_again`].
+    pub fn stop(&self) {
+        let mut stop = as_postgres(&self.bindir.join("pg_ctl"));
+        stop.arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-m", "fast", "-w", "-t", "60", "stop"]);
+        run_ok(stop, "stop scratch cluster");
+    }
+
+    /// Starts a cluster [`Self::stop`] stopped, on the same port.
+    pub fn start_again(&self) {
+        let mut start = as_postgres(&self.bindir.join("pg_ctl"));
+        start
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .arg("-l")
+            .arg(self.dir.join("log"))
+            .args(["-w", "-t", "60", "start"]);
+        run_ok(start, "start scratch cluster again");
+    }
+
     /// `pg_ctl restart -m fast`: every connection is closed, the cluster
     /// comes back on the same port with its data and slots.
     pub fn restart(&self) {
