@@ -856,7 +856,7 @@ pub(crate) fn librdkafka_log(level: RDKafkaLogLevel, fac: &str, message: &str) {
         RDKafkaLogLevel::Warning => {
             tracing::warn!(target: "librdkafka", "librdkafka: {fac} {message}{more}")
         }
-        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info | RDKafkaLogLevel::Debug => {
+        RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
             tracing::info!(target: "librdkafka", "librdkafka: {fac} {message}{more}")
         }
         _ => tracing::error!(target: "librdkafka", "librdkafka: {fac} {message}{more}"),

@@ -1512,12 +1512,15 @@ async fn plan_table(
         slot::quote_ident(&name)
     );
     let partitions = catalog::leaf_partitions(&client, oid).await?;
+    // Read once for the table and its partitions.
+    let tid_range_scans = catalog::server_version(&client).await? >= 140_000;
     // A table's own rows, without its inheritance children's: Postgres
     // publishes a child's changes under the child's name.
-    let own = if partitions.is_some() {
-        qualified.clone()
-    } else {
+    let only = partitions.is_none();
+    let own = if only {
         format!("ONLY {qualified}")
+    } else {
+        qualified.clone()
     };
     let estimate = row_estimate(&client, oid, &own).await?;
     metrics::gauge!(observe::SNAPSHOT_ROWS_ESTIMATED, "table" => table.to_string()).set(estimate);
@@ -1546,7 +1549,8 @@ async fn plan_table(
                 name: &partition.name,
                 estimate,
             };
-            let cut = cut_relation(output, sessions, &client, &desc, target).await?;
+            let cut =
+                cut_relation(output, sessions, &client, &desc, target, tid_range_scans).await?;
             chunks.extend(cut.into_iter().map(|c| Chunk {
                 partition: Some(partition.clone()),
                 ..c
@@ -1563,7 +1567,7 @@ async fn plan_table(
             name: &name,
             estimate,
         };
-        cut_relation(output, sessions, &client, &desc, target).await?
+        cut_relation(output, sessions, &client, &desc, target, tid_range_scans).await?
     };
     // Locks are held only while planning and while each chunk copies: a
     // lock held for the whole snapshot would queue our own copies behind
@@ -1582,7 +1586,7 @@ async fn plan_table(
         columns,
         chunks,
         forms,
-        only: own.starts_with("ONLY "),
+        only,
     })
 }
 
@@ -1597,7 +1601,7 @@ struct CutTarget<'a> {
 
 /// Cuts a table (or one partition) into chunks of about `chunk_rows` by
 /// its estimate. Heap block ranges where the server scans them by TID
-/// range (14 and later): a chunk then reads its blocks in order with no
+/// range (`tid_range_scans`: 14 and later): a chunk then reads its blocks in order with no
 /// index (2M orders in 20 chunks cost the backend 0.74 s of CPU against
 /// 0.86 s by key ranges). Before 14 a block range would scan the whole
 /// table, so an integer key's ranges come first there.
@@ -1607,6 +1611,7 @@ async fn cut_relation(
     client: &Client,
     desc: &TableDesc,
     target: CutTarget<'_>,
+    tid_range_scans: bool,
 ) -> Result<Vec<Chunk>, RunError> {
     let CutTarget {
         oid,
@@ -1619,12 +1624,8 @@ async fn cut_relation(
     if n <= 1 {
         return Ok(vec![Chunk::default()]);
     }
-    let version: i32 = client
-        .query_one("SELECT current_setting('server_version_num')::int4", &[])
-        .await?
-        .get(0);
     let qualified = format!("{}.{}", slot::quote_ident(schema), slot::quote_ident(name));
-    if version < 140_000 {
+    if !tid_range_scans {
         if let Some(key) = integer_key(desc) {
             let by_key = key_chunks(client, &qualified, &slot::quote_ident(&key.name), n).await?;
             if !by_key.is_empty() {

@@ -1085,9 +1085,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
             let Some(cause) = e.retry_cause() else {
                 return Err(e);
             };
-            // 0.2 s doubling to 30 s: quick after a blip, gentle in an outage.
-            let delay =
-                Duration::from_millis(200u64 << attempt.min(8)).min(Duration::from_secs(30));
+            let delay = retry_delay(attempt);
             metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => cause).increment(1);
             observe::board::set_phase(observe::board::Phase::Restarting);
             tracing::warn!(cause, attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
@@ -1167,6 +1165,12 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     Ok(())
 }
 
+/// The wait before retry `attempt` (from 1): 0.4 s doubling to 30 s,
+/// quick after a blip, gentle in an outage.
+fn retry_delay(attempt: u32) -> Duration {
+    Duration::from_millis(200u64 << attempt.min(8)).min(Duration::from_secs(30))
+}
+
 /// Connects to the target and prepares it. A target that is not up yet
 /// (refused, starting up: what [`MaterializeError::retry_cause`] calls an
 /// outage of the target, when a deploy starts both at once) is waited for
@@ -1196,7 +1200,7 @@ async fn start_on_target(
             return Err(e);
         }
         attempt += 1;
-        let delay = Duration::from_millis(200u64 << attempt.min(8)).min(Duration::from_secs(30));
+        let delay = retry_delay(attempt);
         metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => "target").increment(1);
         tracing::warn!(attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
             "target database not reachable at start-up; waiting for it");

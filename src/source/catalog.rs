@@ -101,6 +101,14 @@ pub async fn current_table(
     })
 }
 
+/// The server's `server_version_num` (150004 for 15.4).
+pub async fn server_version(client: &Client) -> Result<i32, tokio_postgres::Error> {
+    Ok(client
+        .query_one("SELECT current_setting('server_version_num')::int4", &[])
+        .await?
+        .get(0))
+}
+
 /// A leaf partition of a partitioned table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Leaf {

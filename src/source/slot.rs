@@ -306,11 +306,7 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
             .collect();
         // Changes to a partitioned table's rows go out under its own name,
         // to its topic, rather than under a partition's (13 and later).
-        let version: i32 = client
-            .query_one("SELECT current_setting('server_version_num')::int4", &[])
-            .await?
-            .get(0);
-        let options = if version >= 130_000 {
+        let options = if super::catalog::server_version(client).await? >= 130_000 {
             " WITH (publish_via_partition_root = true)"
         } else {
             ""

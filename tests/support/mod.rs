@@ -334,19 +334,13 @@ impl ScratchCluster {
         let mut existing = std::fs::read_to_string(&conf_path).expect("read postgresql.conf");
         existing.push_str(&settings);
         std::fs::write(&conf_path, existing).expect("write postgresql.conf");
-        let mut start = as_postgres(&stack.pg_bindir.join("pg_ctl"));
-        start
-            .arg("-D")
-            .arg(&data)
-            .arg("-l")
-            .arg(dir.join("log"))
-            .args(["-w", "-t", "60", "start"]);
-        run_ok(start, "start scratch cluster");
-        ScratchCluster {
+        let cluster = ScratchCluster {
             dir,
             bindir: stack.pg_bindir,
             port,
-        }
+        };
+        cluster.start_again();
+        cluster
     }
 
     pub fn url(&self, db: &str) -> String {
@@ -415,7 +409,7 @@ impl ScratchCluster {
         run_ok(stop, "stop scratch cluster");
     }
 
-    /// Starts a cluster [`Self::stop`] stopped, on the same port.
+    /// Starts the cluster (again, after [`Self::stop`]), on its port.
     pub fn start_again(&self) {
         let mut start = as_postgres(&self.bindir.join("pg_ctl"));
         start
@@ -424,7 +418,7 @@ impl ScratchCluster {
             .arg("-l")
             .arg(self.dir.join("log"))
             .args(["-w", "-t", "60", "start"]);
-        run_ok(start, "start scratch cluster again");
+        run_ok(start, "start scratch cluster");
     }
 
     /// `pg_ctl restart -m fast`: every connection is closed, the cluster
