@@ -1762,6 +1762,7 @@ async fn apply_with_retry(
             // Another instance's transaction touched what this one read (a
             // view joining rows of two partitions): redo the batch.
             Err(MaterializeError::Postgres(e)) if is_retryable(&e) && attempt < 20 => {
+                metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => "conflict").increment(1);
                 tracing::debug!(attempt, error = %crate::source::error_text(&e), "batch conflicted; retrying");
                 tokio::time::sleep(Duration::from_millis(10 * u64::from(attempt))).await;
             }
