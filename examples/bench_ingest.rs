@@ -30,6 +30,7 @@
 //! An example rather than a bench target: `cargo test` builds examples,
 //! so this cannot rot between benchmark runs.
 
+use pgcdc::sink::CreateClient as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -180,7 +181,7 @@ fn read_topics(brokers: &str, topics: &[String]) -> Vec<Sample> {
         .set("group.id", "bench_ingest_replay")
         .set("enable.auto.commit", "false")
         .set("enable.partition.eof", "false")
-        .create()
+        .client()
         .unwrap_or_else(|e| panic!("replay consumer: {e}"));
     let timeout = Duration::from_secs(30);
     let mut samples = Vec::new();
@@ -238,7 +239,7 @@ async fn main() {
     let (brokers, topic) = (&args.brokers, &args.topic);
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .create()
+        .client()
         .unwrap_or_else(|e| panic!("admin client: {e}"));
     let created = admin
         .create_topics(
@@ -271,7 +272,7 @@ async fn main() {
         cc.set(k, v);
     }
     let producer: ThreadedProducer<Counter> = cc
-        .create_with_context(Counter(acks.clone()))
+        .client_with(Counter(acks.clone()))
         .unwrap_or_else(|e| panic!("producer: {e}"));
     let samples = match &args.payload {
         Payload::Constant(size) => vec![(None, Some(vec![0x5a_u8; *size].into_boxed_slice()))],

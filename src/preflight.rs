@@ -13,6 +13,7 @@
 //!  target Postgres ─► connect, CREATE privilege
 //! ```
 
+use crate::sink::CreateClient as _;
 use std::fmt;
 use std::time::Duration;
 
@@ -728,7 +729,7 @@ async fn check_slot(
 
 async fn check_kafka(config: &Config, r: &mut Report) {
     let k = &config.kafka;
-    let admin: AdminClient<DefaultClientContext> = match sink::client_config(k).create() {
+    let admin: AdminClient<DefaultClientContext> = match sink::client_config(k).client() {
         Ok(a) => a,
         Err(e) => {
             r.fail(

@@ -22,6 +22,7 @@
 //!  event store (rebuild) ────────────┘
 //! ```
 
+use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -419,7 +420,7 @@ pub async fn follow(
         .set("enable.auto.commit", "false")
         .set("auto.offset.reset", "earliest")
         .set("isolation.level", "read_committed")
-        .create_with_context(sink::Quiet)?;
+        .client_with(sink::Quiet)?;
     let refs: Vec<&str> = topics.iter().map(String::as_str).collect();
     consumer.subscribe(&refs)?;
     tokio::pin!(stop);

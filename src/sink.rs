@@ -63,6 +63,51 @@ pub fn client_config(kafka: &KafkaConfig) -> ClientConfig {
     cc
 }
 
+/// Creates librdkafka clients. Its refusal of a property quotes the value
+/// (`Invalid value "..." for configuration property "..."`), which may be
+/// a secret: every client is created through here, and the value is
+/// blanked out of the error (clippy's `disallowed-methods` forbids the
+/// direct calls).
+pub trait CreateClient {
+    fn client<T: rdkafka::config::FromClientConfig>(&self) -> rdkafka::error::KafkaResult<T>;
+    fn client_with<C, T>(&self, context: C) -> rdkafka::error::KafkaResult<T>
+    where
+        C: rdkafka::ClientContext,
+        T: rdkafka::config::FromClientConfigAndContext<C>;
+}
+
+impl CreateClient for ClientConfig {
+    fn client<T: rdkafka::config::FromClientConfig>(&self) -> rdkafka::error::KafkaResult<T> {
+        #[allow(clippy::disallowed_methods)]
+        self.create().map_err(without_value)
+    }
+
+    fn client_with<C, T>(&self, context: C) -> rdkafka::error::KafkaResult<T>
+    where
+        C: rdkafka::ClientContext,
+        T: rdkafka::config::FromClientConfigAndContext<C>,
+    {
+        #[allow(clippy::disallowed_methods)]
+        self.create_with_context(context).map_err(without_value)
+    }
+}
+
+/// A refused property's error, naming the property but not its value.
+fn without_value(e: KafkaError) -> KafkaError {
+    const HIDDEN: &str = "(value not shown)";
+    match e {
+        KafkaError::ClientConfig(res, desc, key, value) => {
+            let desc = if value.is_empty() {
+                desc
+            } else {
+                desc.replace(&value, HIDDEN)
+            };
+            KafkaError::ClientConfig(res, desc, key, HIDDEN.to_string())
+        }
+        other => other,
+    }
+}
+
 /// Whether the broker's answer is one a retry cannot change: bad
 /// credentials, a missing permission, a fenced transactional producer, or
 /// a client setting librdkafka refuses. (What to do about it is decided in
@@ -146,7 +191,7 @@ impl Producer {
         let mut cc = producer_config(kafka, linger_ms);
         let Some(id) = transactional_id else {
             return Ok(Producer {
-                inner: cc.create_with_context(Deliveries)?,
+                inner: cc.client_with(Deliveries)?,
                 open: None,
             });
         };
@@ -154,7 +199,7 @@ impl Producer {
         if !kafka.properties.0.contains_key("transaction.timeout.ms") {
             cc.set("transaction.timeout.ms", DEFAULT_TRANSACTION_TIMEOUT_MS);
         }
-        let inner: ThreadedProducer<Deliveries> = cc.create_with_context(Deliveries)?;
+        let inner: ThreadedProducer<Deliveries> = cc.client_with(Deliveries)?;
         // Fences an earlier instance and aborts what it left open.
         let p = inner.clone();
         blocking(move || p.init_transactions(TRANSACTION_CALL_TIMEOUT)).await?;
@@ -339,7 +384,7 @@ pub async fn ensure_event_topics(kafka: &KafkaConfig, topics: &[String]) -> Resu
 pub async fn check_dlq_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), String> {
     use rdkafka::admin::ResourceSpecifier;
     let admin: AdminClient<DefaultClientContext> =
-        client_config(kafka).create().map_err(|e| e.to_string())?;
+        client_config(kafka).client().map_err(|e| e.to_string())?;
     let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
     let results = admin
         .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
@@ -366,10 +411,10 @@ async fn create_missing(
     topics: &[String],
     extra: &[(&str, &str)],
 ) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = client_config(kafka).create()?;
+    let admin: AdminClient<DefaultClientContext> = client_config(kafka).client()?;
     let missing: Vec<String> = {
         let wanted = topics.to_vec();
-        let probe: BaseConsumer = client_config(kafka).create()?;
+        let probe: BaseConsumer = client_config(kafka).client()?;
         blocking(move || {
             let md = probe.fetch_metadata(None, Duration::from_secs(30))?;
             let present: std::collections::HashSet<&str> = md
@@ -432,7 +477,7 @@ pub async fn partition_counts(
     if topics.is_empty() {
         return Ok(Default::default());
     }
-    let probe: BaseConsumer = client_config(kafka).create()?;
+    let probe: BaseConsumer = client_config(kafka).client()?;
     let wanted = topics.to_vec();
     blocking(move || {
         let md = probe.fetch_metadata(None, Duration::from_secs(30))?;
@@ -455,7 +500,7 @@ pub async fn watermarks(
 {
     let (kafka, topics) = (kafka.clone(), topics.to_vec());
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = client_config(&kafka).create().map_err(|e| e.to_string())?;
+        let consumer: BaseConsumer = client_config(&kafka).client().map_err(|e| e.to_string())?;
         let mut out = std::collections::BTreeMap::new();
         for topic in &topics {
             let md = consumer
@@ -510,7 +555,7 @@ pub async fn read_state_topic(
             .set("group.id", "pgcdc-state-reader")
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
-            .create()
+            .client()
             .map_err(|e| e.to_string())?;
         let mut records = Vec::new();
         // A topic not created yet holds nothing; any other failure is one.
@@ -697,7 +742,7 @@ impl BulkProducer {
         cc.set("delivery.report.only.error", "true");
         let failed = Arc::new(std::sync::OnceLock::new());
         Ok(BulkProducer {
-            inner: cc.create_with_context(BulkDeliveries(failed.clone()))?,
+            inner: cc.client_with(BulkDeliveries(failed.clone()))?,
             failed,
             partitions: Arc::default(),
         })
@@ -1272,6 +1317,36 @@ impl Acks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_property_is_named_without_its_value() {
+        for (key, value) in [
+            ("linger.ms", "hunter2-not-a-number"),
+            ("sasl.pasword", "hunter2-misspelt-key"),
+            ("sasl.oauthbearer.client.secret", "hunter2-oidc"),
+        ] {
+            let mut cc = ClientConfig::new();
+            cc.set("bootstrap.servers", "127.0.0.1:1").set(key, value);
+            // Unsupported in this build or not: whatever librdkafka says
+            // of it must not carry the value.
+            let Err(e) = cc.client::<BaseConsumer>() else {
+                continue;
+            };
+            let text = format!("{e} {e:?}");
+            assert!(!text.contains(value), "{key}: the value leaked: {text}");
+            assert!(
+                text.contains(key),
+                "{key}: the property is not named: {text}"
+            );
+        }
+        // The first one is always refused: the loop above checked something.
+        let mut cc = ClientConfig::new();
+        cc.set("linger.ms", "hunter2");
+        assert!(matches!(
+            cc.client::<BaseConsumer>(),
+            Err(KafkaError::ClientConfig(..))
+        ));
+    }
 
     #[test]
     fn repeats_of_a_librdkafka_message_are_folded_for_a_window() {

@@ -5,6 +5,7 @@
 //! it assigns partitions directly and reads from the beginning (or the
 //! end with `--follow` only).
 
+use crate::sink::CreateClient as _;
 use std::collections::HashMap;
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -153,7 +154,7 @@ pub async fn run(
         let consumer: BaseConsumer<crate::sink::Quiet> = cc
             .set("group.id", "pgcdc-tail")
             .set("enable.auto.commit", "false")
-            .create_with_context(crate::sink::Quiet)
+            .client_with(crate::sink::Quiet)
             .map_err(|e| e.to_string())?;
         let mut tpl = TopicPartitionList::new();
         for topic in &topics {

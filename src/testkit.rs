@@ -22,6 +22,7 @@
 //!  write ──► current_lsn ──► wait_caught_up: slot confirmed ≥ lsn ──► end offsets ──► groups committed ≥ end offsets
 //! ```
 
+use crate::sink::CreateClient as _;
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 use std::path::Path;
@@ -408,7 +409,7 @@ async fn committed(kafka: &KafkaConfig, group: &str, of: &Offsets) -> Result<Off
     for (t, p) in of.keys() {
         tpl.add_partition(t, *p);
     }
-    let consumer: BaseConsumer = sink::client_config(kafka).set("group.id", group).create()?;
+    let consumer: BaseConsumer = sink::client_config(kafka).set("group.id", group).client()?;
     let done = tokio::task::spawn_blocking(move || {
         consumer.committed_offsets(tpl, Duration::from_secs(10))
     })

@@ -3,6 +3,7 @@
 //! 3 predate a breaking change), every transition through the CLI, the
 //! policies, poison messages, and the health figures.
 
+use pgcdc::sink::CreateClient as _;
 use std::time::Duration;
 
 use serde_json::Value as Json;
@@ -208,7 +209,7 @@ async fn produce(stack: &Stack, topic: &str, key: Option<&[u8]>, value: &[u8]) {
     use rdkafka::producer::{FutureProducer, FutureRecord};
     let producer: FutureProducer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
-        .create()
+        .client()
         .expect("producer");
     let mut record = FutureRecord::<[u8], [u8]>::to(topic).payload(value);
     if let Some(k) = key {

@@ -3,6 +3,7 @@
 //! upcasters, and the test kit (`pgcdc::testkit`) that runs the pipeline
 //! in-process and waits for it without sleeps.
 
+use pgcdc::sink::CreateClient as _;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -380,7 +381,7 @@ async fn topic_config(stack: &Stack, topic: &str, name: &str) -> Option<String> 
     use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
     let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
-        .create()
+        .client()
         .expect("admin");
     let found = admin
         .describe_configs([&ResourceSpecifier::Topic(topic)], &AdminOptions::new())

@@ -8,6 +8,7 @@
 //! consumer also sees records of transactions that never committed
 //! (`the_mock_cluster_does_not_hide_uncommitted_records` pins that down).
 
+use pgcdc::sink::CreateClient as _;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -351,7 +352,7 @@ async fn the_mock_cluster_does_not_hide_uncommitted_records() {
     let producer: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", mock.bootstrap_servers())
         .set("transactional.id", "probe")
-        .create()
+        .client()
         .expect("producer");
     let timeout = Duration::from_secs(10);
     producer.init_transactions(timeout).expect("init");
@@ -412,7 +413,7 @@ async fn exactly_once_stops_cleanly_inside_a_source_transaction_and_replays_it()
         use rdkafka::consumer::{BaseConsumer, Consumer};
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", mock.bootstrap_servers())
-            .create()
+            .client()
             .expect("consumer");
         (0..3)
             .map(|p| {

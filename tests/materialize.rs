@@ -2,6 +2,7 @@
 //! a random mixed workload, the materializer builds the mirrors and both
 //! read models, and everything is compared with the source by checksum.
 
+use pgcdc::sink::CreateClient as _;
 use std::time::Duration;
 
 use crate::support::{self, ConfigFile, ConnectorProcess, Stack, TestDb};
@@ -495,7 +496,7 @@ pub(crate) async fn end_offsets_at(brokers: &str, topic: &str) -> i64 {
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
-            .create()
+            .client()
             .expect("consumer");
         partition_ids(&consumer, &topic)
             .into_iter()
@@ -533,7 +534,7 @@ pub(crate) async fn committed_offsets(brokers: &str, group: &str, topic: &str) -
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
             .set("group.id", &group)
-            .create()
+            .client()
             .expect("consumer");
         let mut tpl = rdkafka::TopicPartitionList::new();
         for p in partition_ids(&consumer, &topic) {

@@ -4,6 +4,7 @@
 //! read models converge, both from the topics as they are and from every
 //! record delivered again in shuffled order.
 
+use pgcdc::sink::CreateClient as _;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -317,7 +318,7 @@ async fn produce_in_order(stack: &Stack, topic: &str, records: &[Record]) {
         .set("bootstrap.servers", &stack.brokers)
         .set("enable.idempotence", "true")
         .set("linger.ms", "5")
-        .create()
+        .client()
         .expect("producer");
     let mut pending = Vec::new();
     for r in records {

@@ -2,6 +2,7 @@
 //! broker: an untouched log, a log that retention cut into, a compacted
 //! log, and the slot's WAL piling up while the connector is stopped.
 
+use pgcdc::sink::CreateClient as _;
 use std::time::Duration;
 
 use serde_json::Value as Json;
@@ -349,7 +350,7 @@ pub(crate) async fn delete_records(
     use rdkafka::client::DefaultClientContext;
     let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
-        .create()
+        .client()
         .expect("admin");
     let mut tpl = rdkafka::TopicPartitionList::new();
     tpl.add_partition_offset(topic, partition, rdkafka::Offset::Offset(offset))

@@ -17,6 +17,7 @@
 //!   only from the state it expects, after [`super::state::check`]
 //!   allowed it, and writes the audit row in the same statement.
 
+use crate::sink::CreateClient as _;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -399,7 +400,7 @@ fn read_topic(
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")
         .set("auto.offset.reset", "earliest")
-        .create()
+        .client()
         .map_err(|e| e.to_string())?;
     let md = consumer
         .fetch_metadata(Some(topic), Duration::from_secs(10))

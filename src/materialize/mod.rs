@@ -57,6 +57,7 @@ pub mod replay;
 pub mod shape;
 pub mod view;
 
+use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -944,8 +945,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     };
 
     let group = group_id(&config, &target);
-    let consumer: LiveConsumer =
-        consumer_config(&config.kafka, &group).create_with_context(Commits)?;
+    let consumer: LiveConsumer = consumer_config(&config.kafka, &group).client_with(Commits)?;
     let homes = config.homes();
     // Dedicated topics are read as their tables' own.
     let topics: Vec<String> = mirrors.keys().chain(homes.keys()).cloned().collect();
@@ -1334,7 +1334,7 @@ async fn report_lag(
     config: Arc<Config>,
     committed: Arc<std::sync::Mutex<BTreeMap<(String, i32), i64>>>,
 ) {
-    let client: rdkafka::consumer::BaseConsumer = match sink::client_config(&config.kafka).create()
+    let client: rdkafka::consumer::BaseConsumer = match sink::client_config(&config.kafka).client()
     {
         Ok(c) => c,
         Err(e) => {

@@ -40,6 +40,7 @@
 //!        ─ live mirrors := shadows ─ recompute read models in full ─ COMMIT
 //! ```
 
+use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -363,7 +364,7 @@ pub async fn run(
         // An offset retention deleted before we read it is an error, never
         // a silent jump to what remains.
         .set("auto.offset.reset", "error")
-        .create_with_context(sink::Quiet)?;
+        .client_with(sink::Quiet)?;
     let marks = watermarks(config, &topics, &from).await?;
     let firsts = marks.start.clone();
     let mut positions = firsts.clone();

@@ -22,6 +22,7 @@
 pub mod reach;
 pub mod time;
 
+use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -373,7 +374,7 @@ async fn record_timestamps(
                 .set("group.id", "pgcdc-retention")
                 .set("enable.auto.commit", "false")
                 .set("isolation.level", "read_committed")
-                .create()
+                .client()
                 .map_err(|e| e.to_string())?;
             let mut tpl = TopicPartitionList::new();
             for (t, p, o) in &round {
@@ -411,7 +412,7 @@ async fn topic_configs(
     topics: &[String],
 ) -> Result<HashMap<String, TopicConfig>, RetentionError> {
     let admin: AdminClient<DefaultClientContext> = sink::client_config(kafka)
-        .create()
+        .client()
         .map_err(|e| RetentionError::Kafka(e.to_string()))?;
     let specs: Vec<ResourceSpecifier<'_>> =
         topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();

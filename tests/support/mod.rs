@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+use pgcdc::sink::CreateClient as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -549,7 +550,7 @@ pub async fn create_topic(stack: &Stack, name: &str, configs: &[(&str, &str)]) {
     use rdkafka::client::DefaultClientContext;
     let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
-        .create()
+        .client()
         .expect("admin client");
     let mut topic = NewTopic::new(name, 1, TopicReplication::Fixed(1));
     for (k, v) in configs {
@@ -661,7 +662,7 @@ pub async fn read_topic_at(
             .set("group.id", unique("reader"))
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
-            .create()
+            .client()
             .expect("consumer");
         let deadline = std::time::Instant::now() + limit;
         // The topic may not exist yet: wait until it has partitions.
