@@ -115,9 +115,17 @@ fn redact_url(url: &str, scheme_end: usize) -> String {
     let rest = &url[rest_start..];
     let mut out = String::with_capacity(url.len());
     out.push_str(&url[..rest_start]);
-    // Credentials end at the first '@', as tokio-postgres reads them: a
-    // '/', '?' or '#' in a password does not end them.
-    let after_credentials = match rest.find('@') {
+    // tokio-postgres ends credentials at the first '@' (a '/', '?' or '#'
+    // in a password does not end them); the url crate (the registry's and
+    // Redis's URLs) at the last '@' before the host's end. Whatever either
+    // reads as the password is hidden.
+    let after_credentials = match rest.find('@').map(|first| {
+        let host = &rest[first + 1..];
+        let host_end = host.find(['/', '?', '#']).unwrap_or(host.len());
+        host[..host_end]
+            .rfind('@')
+            .map_or(first, |at| first + 1 + at)
+    }) {
         Some(at) => {
             let userinfo = &rest[..at];
             match userinfo.find(':') {
@@ -263,6 +271,8 @@ pub fn is_sensitive_key(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
     [
         "password",
+        // Redis's `pass` query parameter; librdkafka's `*.passphrase`.
+        "pass",
         "secret",
         "passwd",
         "token",
@@ -274,6 +284,8 @@ pub fn is_sensitive_key(key: &str) -> bool {
     .iter()
     .any(|needle| key.contains(needle))
         || key == "ssl.key.location"
+        // `principal=... clientSecret=...` for unsecured JWTs.
+        || key == "sasl.oauthbearer.config"
 }
 
 #[cfg(test)]
@@ -302,6 +314,10 @@ mod tests {
                 "host=db password=hunter2 application_name=svc://x",
                 "hunter2",
             ),
+            // The url crate reads up to the last '@' of the authority.
+            ("https://svc:p@ssw0rd@registry:8081", "ssw0rd"),
+            ("redis://:hun@ter2@cache:6379/0", "ter2"),
+            ("redis+unix:///run/redis.sock?pass=hunter2", "hunter2"),
         ] {
             let shown = Dsn::new(dsn).to_string();
             assert!(
@@ -363,6 +379,9 @@ mod tests {
             "ssl.keystore.password",
             "sasl.oauthbearer.client.secret",
             "ssl.key.pem",
+            "sasl.oauthbearer.assertion.private.key.passphrase",
+            "sasl.oauthbearer.config",
+            "pass",
         ] {
             assert!(is_sensitive_key(k), "{k}");
         }
