@@ -844,7 +844,8 @@ fn default_mirror_schema() -> String {
 pub struct ReadModelConfig {
     /// Target table, `schema.table`.
     pub table: String,
-    /// Key columns of the target table.
+    /// The target table's key column, as a list of one (composite keys
+    /// are not supported yet).
     pub key: Vec<String>,
     /// SQL over the mirror tables returning the rows for the keys in `$1`
     /// (an array of the key; single-column keys only for now).
@@ -890,9 +891,19 @@ impl Config {
         origin: &str,
         env: &[(String, String)],
     ) -> Result<Config, ConfigError> {
+        // toml's full rendering quotes the offending line, which may hold
+        // a secret: its message and the place only.
         let mut value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             path: origin.to_string(),
-            message: e.message().to_string(),
+            message: match e.span() {
+                Some(span) => {
+                    let before = &text[..span.start.min(text.len())];
+                    let line = before.matches('\n').count() + 1;
+                    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+                    format!("line {line}, column {column}: {}", e.message().trim_end())
+                }
+                None => e.message().trim_end().to_string(),
+            },
         })?;
         let invalid = |errors| ConfigError::Invalid {
             path: origin.to_string(),
@@ -907,9 +918,16 @@ impl Config {
         }
         let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
+            // serde quotes the value it refused ("invalid type: integer
+            // `1234`, expected a string"), which may be a secret.
+            let message = if holds_secret(&path) {
+                "must be a string (the value is not shown: it may be a secret)".to_string()
+            } else {
+                e.into_inner().to_string()
+            };
             invalid(vec![FieldError {
                 path: if path == "." { String::new() } else { path },
-                message: e.into_inner().to_string(),
+                message,
             }])
         })?;
         let mut errors = config.canonicalize_tables();
@@ -1070,10 +1088,21 @@ impl Config {
                 .cloned()
                 .collect();
             let names = crate::materialize::mirror::mirror_names(&tables);
+            // Outbox tables have no mirror: the index is source.tables'.
+            let path = |table: &str| {
+                self.source
+                    .tables
+                    .iter()
+                    .position(|t| t == table)
+                    .map_or_else(
+                        || "source.tables".to_string(),
+                        |j| format!("source.tables[{j}]"),
+                    )
+            };
             for (i, (table, mirror)) in tables.iter().zip(&names).enumerate() {
                 if let Some(other) = tables[..i].iter().zip(&names).find(|(_, m)| *m == mirror) {
                     v.push(
-                        "source.tables",
+                        &path(table),
                         format!(
                             "'{table}' and '{}' would both be mirrored as {}.{mirror}",
                             other.0, t.mirror_schema
@@ -1081,7 +1110,7 @@ impl Config {
                     );
                 } else if mirror.len() > MAX_IDENTIFIER_BYTES {
                     v.push(
-                        "source.tables",
+                        &path(table),
                         format!(
                             "'{table}' would be mirrored as {mirror}, over Postgres' {MAX_IDENTIFIER_BYTES}-byte limit"
                         ),
@@ -1151,9 +1180,9 @@ impl Config {
                 );
             }
             v.check(
-                !rm.key.is_empty(),
+                rm.key.len() == 1,
                 &format!("{base}.key"),
-                "must name at least one column",
+                "must name exactly one column (composite read-model keys are not supported yet)",
             );
             v.check(
                 !rm.query.trim().is_empty(),
@@ -1603,6 +1632,7 @@ impl Config {
         }
         rekey(&mut self.outbox, "outbox", &mut clashes);
         rekey(&mut self.dlq.mappings, "dlq.mappings", &mut clashes);
+        rekey(&mut self.partitioning, "partitioning", &mut clashes);
         clashes
     }
 
@@ -1816,6 +1846,21 @@ fn expand(s: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, St
     Ok(out)
 }
 
+/// Whether the field at `path` (dotted) may hold a secret: a key whose
+/// name says so, or any librdkafka property (a misspelt `sasl.pasword`
+/// holds one too).
+fn holds_secret(path: &str) -> bool {
+    path.starts_with("kafka.properties.")
+        || is_sensitive_key(path.rsplit('.').next().unwrap_or(path))
+}
+
+/// The value at `parts` in `value`, if there is one.
+fn at_path<'a>(value: &'a toml::Value, parts: &[String]) -> Option<&'a toml::Value> {
+    parts
+        .iter()
+        .try_fold(value, |v, part| v.as_table()?.get(part.as_str()))
+}
+
 /// Applies `PGCDC__A__B=value` overrides.
 fn apply_overrides(
     value: &mut toml::Value,
@@ -1834,10 +1879,19 @@ fn apply_overrides(
             });
             continue;
         }
-        let parsed = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-            .ok()
-            .and_then(|mut t| t.remove("v"))
-            .unwrap_or_else(|| toml::Value::String(raw.clone()));
+        // A librdkafka property or a secret is text, whatever it looks
+        // like (`linger.ms` = 5, a password of digits), as is a value
+        // replacing text from the file.
+        let text = holds_secret(&parts.join("."))
+            || at_path(value, &parts).is_some_and(toml::Value::is_str);
+        let parsed = if text {
+            None
+        } else {
+            toml::from_str::<toml::Table>(&format!("v = {raw}"))
+                .ok()
+                .and_then(|mut t| t.remove("v"))
+        }
+        .unwrap_or_else(|| toml::Value::String(raw.clone()));
         let mut cursor = &mut *value;
         for (i, part) in parts.iter().enumerate() {
             let Some(table) = cursor.as_table_mut() else {
@@ -2184,7 +2238,7 @@ url = "http://127.0.0.1:8081"
                     "{}{TARGET}",
                     replace("[\"public.orders\"]", "[\"s.t\", \"u.t\", \"public.s_t\"]")
                 ),
-                "source.tables",
+                "source.tables[2]",
             ),
             (
                 "sslrootcert=system with a weak sslmode",
@@ -2247,6 +2301,24 @@ url = "http://127.0.0.1:8081"
                     MODEL.replace("table = \"public.orders\"", "table = \"public.items\"")
                 )),
                 "read_models.m.sources[0].table",
+            ),
+            (
+                "a partitioning entry spelt two ways",
+                append("[partitioning.\"public.orders\"]\n[partitioning.'\"public\".orders']\n"),
+                "partitioning.\"public.orders\"",
+            ),
+            (
+                "a composite read-model key",
+                append(&format!(
+                    "{TARGET}{}",
+                    MODEL
+                        .replace("key = [\"id\"]", "key = [\"region\", \"id\"]")
+                        .replace(
+                            "key_columns = [\"id\"]",
+                            "key_columns = [\"region\", \"id\"]"
+                        )
+                )),
+                "read_models.m.key",
             ),
             (
                 "batch of nothing",
@@ -2385,6 +2457,109 @@ url = "http://127.0.0.1:8081"
         assert_eq!(c.source.snapshot.mode, SnapshotMode::Never);
         assert_eq!(c.source.tables, vec!["public.a", "public.b"]);
         Ok(())
+    }
+
+    #[test]
+    fn overrides_of_secrets_and_properties_stay_text() -> Result<(), ConfigError> {
+        let text = MINIMAL.replace(
+            "[registry]\nurl = \"http://127.0.0.1:8081\"",
+            "[registry]\nurl = \"http://127.0.0.1:8081\"\nusername = \"u\"",
+        );
+        let c = load(
+            &text,
+            &[
+                ("PGCDC__REGISTRY__PASSWORD", "12345678"),
+                ("PGCDC__KAFKA__PROPERTIES__LINGER.MS", "5"),
+                (
+                    "PGCDC__KAFKA__PROPERTIES__ENABLE.SSL.CERTIFICATE.VERIFICATION",
+                    "true",
+                ),
+                // Text in the file stays text.
+                ("PGCDC__NAME", "2024"),
+            ],
+        )?;
+        assert_eq!(
+            c.registry.password.as_ref().map(|p| p.expose()),
+            Some("12345678")
+        );
+        assert_eq!(
+            c.kafka.properties.0.get("linger.ms").map(String::as_str),
+            Some("5")
+        );
+        assert_eq!(
+            c.kafka
+                .properties
+                .0
+                .get("enable.ssl.certificate.verification")
+                .map(String::as_str),
+            Some("true")
+        );
+        assert_eq!(c.name, "2024");
+        Ok(())
+    }
+
+    #[test]
+    fn a_secret_of_the_wrong_type_is_refused_without_its_value() {
+        for (text, path) in [
+            (
+                MINIMAL.replace("[kafka]", "[kafka]\nproperties = { \"sasl.pasword\" = 12345678 }"),
+                "kafka.properties.sasl.pasword",
+            ),
+            (
+                MINIMAL.replace(
+                    "[registry]\nurl = \"http://127.0.0.1:8081\"",
+                    "[registry]\nurl = \"http://127.0.0.1:8081\"\nusername = \"u\"\npassword = 12345678",
+                ),
+                "registry.password",
+            ),
+        ] {
+            let err = load(&text, &[]).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(err.contains(path), "{err}");
+            assert!(!err.contains("12345678"), "{err}");
+        }
+        // Other fields keep serde's words, value included.
+        let err = load(
+            &MINIMAL.replace("[kafka]", "[kafka]\npartitions = \"many\""),
+            &[],
+        )
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+        assert!(err.contains("\"many\""), "{err}");
+    }
+
+    #[test]
+    fn per_table_sections_take_any_spelling_of_the_table() -> Result<(), ConfigError> {
+        let c = load(
+            &format!("{MINIMAL}[partitioning.'\"public\".\"orders\"']\nsalt_shards = 2\nsalt_keys = [\"1\"]\n"),
+            &[],
+        )?;
+        assert_eq!(
+            c.partitioning
+                .get("public.orders")
+                .and_then(|p| p.salt_shards),
+            Some(2)
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_syntax_error_names_its_line_but_not_the_line_text() {
+        let text = MINIMAL.replacen(
+            "slot = \"pgcdc_shop\"",
+            "slot = \"pgcdc_shop\"\npassword = \"hunter2",
+            1,
+        );
+        let line = text
+            .lines()
+            .position(|l| l.starts_with("password"))
+            .map_or(0, |i| i + 1);
+        let err = load(&text, &[])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains(&format!("line {line}, column ")), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
     }
 
     #[test]
