@@ -16,11 +16,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let parsed = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        // Postgres NOTICEs ("already exists, skipping") are noise.
-        .unwrap_or_else(|_| {
-            tracing_subscriber::EnvFilter::new("info,tokio_postgres::connection=warn")
-        });
+    let filter = pgcdc::observe::log_filter(std::env::var("RUST_LOG").ok().as_deref());
     // Colours only on a terminal: a log file or a collector gets plain text.
     let colours = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none();

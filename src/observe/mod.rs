@@ -175,6 +175,33 @@ impl TableMeters {
     }
 }
 
+/// The log filter: `RUST_LOG` (default `info`), with the targets that
+/// would print row values held at `info` whatever it says.
+/// tokio-postgres logs every statement's bound parameters at debug
+/// (`executing statement ... with parameters: [...]`: mirror rows, view
+/// keys) and statements' text; a later directive for the same target
+/// replaces the user's.
+pub fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
+    use tracing_subscriber::EnvFilter;
+    // Postgres NOTICEs ("already exists, skipping") are noise.
+    const DEFAULT: &str = "info,tokio_postgres::connection=warn";
+    let mut filter = rust_log
+        .and_then(|s| EnvFilter::try_new(s).ok())
+        .unwrap_or_else(|| EnvFilter::new(DEFAULT));
+    for target in [
+        "tokio_postgres::query",
+        "tokio_postgres::prepare",
+        "tokio_postgres::simple_query",
+        "tokio_postgres::copy_in",
+        "tokio_postgres::copy_out",
+    ] {
+        if let Ok(d) = format!("{target}=info").parse() {
+            filter = filter.add_directive(d);
+        }
+    }
+    filter
+}
+
 /// Microseconds since the Unix epoch.
 pub fn now_us() -> i64 {
     std::time::SystemTime::now()
@@ -417,6 +444,35 @@ fn describe() {
 #[cfg(test)]
 mod tests {
     use super::Alert;
+
+    #[test]
+    fn debug_logging_never_reaches_the_targets_that_print_row_values() {
+        use tracing_subscriber::layer::SubscriberExt;
+        for rust_log in [
+            None,
+            Some("debug"),
+            Some("trace"),
+            Some("info,tokio_postgres=trace,tokio_postgres::query=trace"),
+        ] {
+            let subscriber = tracing_subscriber::registry().with(super::log_filter(rust_log));
+            tracing::subscriber::with_default(subscriber, || {
+                assert!(
+                    !tracing::enabled!(target: "tokio_postgres::query", tracing::Level::DEBUG),
+                    "{rust_log:?}"
+                );
+                assert!(
+                    !tracing::enabled!(target: "tokio_postgres::prepare", tracing::Level::DEBUG),
+                    "{rust_log:?}"
+                );
+                // What was asked for elsewhere still holds.
+                assert_eq!(
+                    tracing::enabled!(target: "pgcdc::materialize", tracing::Level::DEBUG),
+                    matches!(rust_log, Some("debug" | "trace")),
+                    "{rust_log:?}"
+                );
+            });
+        }
+    }
 
     const README: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"));
     const RULES: &str = include_str!(concat!(
