@@ -29,7 +29,14 @@ fn main() -> ExitCode {
         cli::LogFormat::Json => logs.json().flatten_event(true).init(),
     }
     match tokio::runtime::Runtime::new() {
-        Ok(runtime) => exit::code(runtime.block_on(cli::execute(parsed.command))),
+        Ok(runtime) => {
+            let outcome = runtime.block_on(cli::execute(parsed.command));
+            // Whatever still runs on a blocking thread (a Kafka metadata
+            // wait of up to 30 s, say) has no one left to await it: a stop
+            // must not wait for it.
+            runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+            exit::code(outcome)
+        }
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");
             exit::code(exit::FAILURE)

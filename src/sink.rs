@@ -350,6 +350,22 @@ async fn blocking<T: Send + 'static>(
         .map_err(|_| KafkaError::Canceled)?
 }
 
+/// The cluster's metadata, waiting up to 30 s. Kafka not answering within
+/// the first 5 s is logged at once: an operator who started pgcdc with a
+/// wrong address or a broker down would otherwise see nothing for 30 s.
+fn cluster_metadata<C: rdkafka::consumer::ConsumerContext>(
+    probe: &BaseConsumer<C>,
+    brokers: &str,
+) -> Result<rdkafka::metadata::Metadata, KafkaError> {
+    const FIRST: Duration = Duration::from_secs(5);
+    const ALL: Duration = Duration::from_secs(30);
+    probe.fetch_metadata(None, FIRST).or_else(|e| {
+        tracing::warn!(%brokers, error = %e, wait_secs = (ALL - FIRST).as_secs(),
+            "Kafka is not answering yet; still trying");
+        probe.fetch_metadata(None, ALL - FIRST)
+    })
+}
+
 /// Creates the topics that do not exist yet, with the configured
 /// partitions, replication factor and cleanup policy. Existing topics are
 /// left as they are, so brokers without topic creation (or users who
@@ -415,8 +431,9 @@ async fn create_missing(
     let missing: Vec<String> = {
         let wanted = topics.to_vec();
         let probe: BaseConsumer = client_config(kafka).client()?;
+        let brokers = kafka.brokers.clone();
         blocking(move || {
-            let md = probe.fetch_metadata(None, Duration::from_secs(30))?;
+            let md = cluster_metadata(&probe, &brokers)?;
             let present: std::collections::HashSet<&str> = md
                 .topics()
                 .iter()
@@ -479,8 +496,9 @@ pub async fn partition_counts(
     }
     let probe: BaseConsumer = client_config(kafka).client()?;
     let wanted = topics.to_vec();
+    let brokers = kafka.brokers.clone();
     blocking(move || {
-        let md = probe.fetch_metadata(None, Duration::from_secs(30))?;
+        let md = cluster_metadata(&probe, &brokers)?;
         Ok(md
             .topics()
             .iter()

@@ -1531,6 +1531,44 @@ async fn a_connector_stopped_during_its_initial_snapshot_exits_at_once_and_takes
     db.drop_db().await;
 }
 
+/// A broker address nothing listens on: the operator hears of it within
+/// seconds, not after the 30 s metadata timeout (as before).
+#[tokio::test]
+async fn a_broker_that_never_answers_is_reported_within_seconds() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_no_broker").await;
+    db.client()
+        .await
+        .batch_execute("CREATE TABLE public.t (id bigint PRIMARY KEY)")
+        .await
+        .expect("table");
+    let nowhere = format!("127.0.0.1:{}", support::free_port());
+    let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.t"])
+        .replace(&stack.brokers, &nowhere);
+    let config = ConfigFile::write(&toml);
+    let started = std::time::Instant::now();
+    let connector = ConnectorProcess::start(&config);
+    let deadline = started + Duration::from_secs(15);
+    while !connector.log().contains("Kafka is not answering yet") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no warning within 15 s:\n{}",
+            connector.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(connector.log().contains(&nowhere), "{}", connector.log());
+    // A stop does not wait for the metadata request to time out.
+    let stopping = std::time::Instant::now();
+    assert_eq!(connector.terminate().await, 0);
+    assert!(
+        stopping.elapsed() < Duration::from_secs(10),
+        "the stop took {:?}",
+        stopping.elapsed()
+    );
+    db.drop_db().await;
+}
+
 #[tokio::test]
 async fn a_frozen_broker_stalls_the_slot_with_alerts_and_nothing_is_lost() {
     let stack = support::stack();

@@ -926,7 +926,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
             backoff = RESTART_BACKOFF;
         }
         metrics::counter!(observe::CONNECTOR_RESTARTS, "cause" => cause).increment(1);
-        tracing::warn!(%error, cause, retry_in_ms = backoff.as_millis() as u64, "the connector lost a service it needs; restarting from the slot's confirmed LSN");
+        tracing::warn!(%error, cause, retry_in_ms = backoff.as_millis() as u64, "a service the connector needs failed or cannot be reached; restarting from the slot's confirmed LSN");
         observe::board::set_phase(observe::board::Phase::Restarting);
         tokio::select! {
             _ = shutdown.requested() => return Ok(()),
