@@ -559,40 +559,16 @@ async fn check_publication(
         (row.get(3), "delete"),
         (row.get(4), "truncate"),
     ];
-    let gaps = crate::source::slot::publication_gaps(client, config).await?;
-    let missing = gaps.missing;
+    let shortfall = crate::source::slot::publication_gaps(client, config)
+        .await?
+        .shortfall(&src.publication);
     let missing_ops: Vec<&str> = ops
         .iter()
         .filter(|(on, _)| !on)
         .map(|(_, op)| *op)
         .collect();
-    if !gaps.by_partition.is_empty() {
-        r.fail(
-            name,
-            format!(
-                "publication '{}' publishes changes to the partitions of {} under the partitions' own names, to topics no snapshot fills",
-                src.publication,
-                gaps.by_partition.join(", ")
-            ),
-            format!(
-                "ALTER PUBLICATION {} SET (publish_via_partition_root = true)",
-                src.publication
-            ),
-        );
-    } else if !missing.is_empty() {
-        r.fail(
-            name,
-            format!(
-                "publication '{}' does not cover {}",
-                src.publication,
-                missing.join(", ")
-            ),
-            format!(
-                "ALTER PUBLICATION {} ADD TABLE {}",
-                src.publication,
-                crate::source::slot::sql_tables(&missing).join(", ")
-            ),
-        );
+    if let Some((problem, fix)) = shortfall {
+        r.fail(name, problem, fix);
     } else if missing_ops.iter().any(|op| *op != "truncate") {
         r.fail(
             name,

@@ -204,11 +204,19 @@ pub async fn listed_partitions(
         )
         .await?
         .iter()
-        .map(|r| {
-            let at = |i: usize| tables[(r.get::<_, i64>(i) - 1) as usize].clone();
-            (at(0), at(1))
-        })
+        .map(|r| (by_ordinal(tables, r.get(0)), by_ordinal(tables, r.get(1))))
         .collect())
+}
+
+/// The configured name at a 1-based `WITH ORDINALITY` index over
+/// [`super::slot::sql_tables`] of `tables`: queries answer in ordinals so
+/// that messages use the name as the user wrote it.
+pub fn by_ordinal(tables: &[String], n: i64) -> String {
+    usize::try_from(n - 1)
+        .ok()
+        .and_then(|i| tables.get(i))
+        .cloned()
+        .unwrap_or_default()
 }
 
 /// The message for a [`listed_partitions`] pair.

@@ -27,13 +27,9 @@ pub fn recovery_hint(slot: &str) -> String {
 pub enum SlotError {
     #[error("postgres: {}", super::error_text(.0))]
     Postgres(#[from] tokio_postgres::Error),
-    #[error("publication '{publication}' does not cover {missing}; fix: ALTER PUBLICATION {publication} ADD TABLE {missing}")]
-    PublicationIncomplete {
-        publication: String,
-        missing: String,
-    },
-    #[error("publication '{publication}' publishes changes to the partitions of {tables} under the partitions' own names, to topics no snapshot fills; fix: ALTER PUBLICATION {publication} SET (publish_via_partition_root = true)")]
-    PublicationByPartition { publication: String, tables: String },
+    /// An existing publication falls short ([`PublicationGaps::shortfall`]).
+    #[error("{problem}; fix: {fix}")]
+    PublicationShort { problem: String, fix: String },
     #[error("{tables}: no replica identity (no primary key under REPLICA IDENTITY DEFAULT, or NOTHING); once published, UPDATE and DELETE on them would fail at the source, so pgcdc did not create publication '{publication}'. fix: add a primary key, or ALTER TABLE ... REPLICA IDENTITY FULL (on each partition of a partitioned table, which its own setting does not reach; free for a table that is only ever inserted into)")]
     NoReplicaIdentity { publication: String, tables: String },
     #[error("slot '{slot}' is in use by process {pid}; stop that consumer first")]
@@ -321,21 +317,12 @@ pub async fn ensure_publication(client: &Client, config: &Config) -> Result<bool
         tracing::info!(publication = %src.publication, tables = src.tables.len(), "publication created");
         return Ok(true);
     }
-    let gaps = publication_gaps(client, config).await?;
-    let names = |tables: &[String]| sql_tables(tables).join(", ");
-    if !gaps.by_partition.is_empty() {
-        return Err(SlotError::PublicationByPartition {
-            publication: src.publication.clone(),
-            tables: names(&gaps.by_partition),
-        });
-    }
-    if gaps.missing.is_empty() {
-        Ok(false)
-    } else {
-        Err(SlotError::PublicationIncomplete {
-            publication: src.publication.clone(),
-            missing: names(&gaps.missing),
-        })
+    match publication_gaps(client, config)
+        .await?
+        .shortfall(&src.publication)
+    {
+        Some((problem, fix)) => Err(SlotError::PublicationShort { problem, fix }),
+        None => Ok(false),
     }
 }
 
@@ -350,6 +337,37 @@ pub struct PublicationGaps {
     /// the table's snapshot. Not in `missing`, whose check needs the fix
     /// first (the publication lists the partitions, not the table).
     pub by_partition: Vec<String>,
+}
+
+impl PublicationGaps {
+    /// What is wrong with `publication` and the statement that fixes it,
+    /// worded once for `pgcdc run` and `pgcdc check`; `None` when nothing
+    /// is.
+    pub fn shortfall(&self, publication: &str) -> Option<(String, String)> {
+        let sql_names = |tables: &[String]| sql_tables(tables).join(", ");
+        if !self.by_partition.is_empty() {
+            Some((
+                format!(
+                    "publication '{publication}' publishes changes to the partitions of {} under the partitions' own names, to topics no snapshot fills",
+                    sql_names(&self.by_partition)
+                ),
+                format!("ALTER PUBLICATION {publication} SET (publish_via_partition_root = true)"),
+            ))
+        } else if !self.missing.is_empty() {
+            Some((
+                format!(
+                    "publication '{publication}' does not cover {}",
+                    self.missing.join(", ")
+                ),
+                format!(
+                    "ALTER PUBLICATION {publication} ADD TABLE {}",
+                    sql_names(&self.missing)
+                ),
+            ))
+        } else {
+            None
+        }
+    }
 }
 
 /// The configured publication's [`PublicationGaps`].
@@ -382,7 +400,7 @@ pub async fn publication_gaps(
         )
         .await?
         .iter()
-        .map(|r| src.tables[(r.get::<_, i64>(0) - 1) as usize].clone())
+        .map(|r| super::catalog::by_ordinal(&src.tables, r.get(0)))
         .collect();
     let missing = src
         .tables
