@@ -13,7 +13,6 @@
 //!  target Postgres ─► connect, CREATE privilege
 //! ```
 
-use crate::sink::CreateClient as _;
 use std::fmt;
 use std::time::Duration;
 
@@ -24,6 +23,7 @@ use tokio_postgres::Client;
 use crate::config::{split_table, Config};
 use crate::secret::Dsn;
 use crate::sink;
+use crate::sink::CreateClient as _;
 use crate::source::slot::quote_ident;
 
 /// How long one system may take to answer before its check fails.

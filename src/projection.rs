@@ -22,7 +22,6 @@
 //!  event store (rebuild) ────────────┘
 //! ```
 
-use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +34,7 @@ use tokio_postgres::{Client, Transaction};
 use crate::config::KafkaConfig;
 use crate::event_store::{EventStore, Metadata, RecordedEvent};
 use crate::secret::Dsn;
+use crate::sink::CreateClient as _;
 use crate::{sink, source};
 
 /// Where checkpoints live, in the projection's database.

@@ -486,6 +486,30 @@ pub async fn ensure_state_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), 
     ensure_topics(&kafka, &[topic.to_string()]).await
 }
 
+/// The offsets `group` has committed on `partitions` (those it has any
+/// for), whichever of its members owns them: an offset fetch needs no
+/// membership.
+pub async fn group_committed(
+    kafka: &KafkaConfig,
+    group: &str,
+    partitions: impl IntoIterator<Item = (String, i32)>,
+) -> Result<std::collections::BTreeMap<(String, i32), i64>, KafkaError> {
+    let mut tpl = TopicPartitionList::new();
+    for (t, p) in partitions {
+        tpl.add_partition(&t, p);
+    }
+    let consumer: BaseConsumer = client_config(kafka).set("group.id", group).client()?;
+    let done = blocking(move || consumer.committed_offsets(tpl, Duration::from_secs(10))).await?;
+    Ok(done
+        .elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) => Some(((e.topic().to_string(), e.partition()), o)),
+            _ => None,
+        })
+        .collect())
+}
+
 /// The partition count of each of `topics` that exists.
 pub async fn partition_counts(
     kafka: &KafkaConfig,

@@ -5,7 +5,6 @@
 //! it assigns partitions directly and reads from the beginning (or the
 //! end with `--follow` only).
 
-use crate::sink::CreateClient as _;
 use std::collections::HashMap;
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -20,6 +19,7 @@ use crate::encode::{decode_datum, unframe};
 use crate::materialize::shape::named_types;
 use crate::registry::client::RegistryClient;
 use crate::sink;
+use crate::sink::CreateClient as _;
 
 /// Avro value to JSON for display, guided by the writer schema: unions
 /// unwrapped, decimals in decimal notation, bytes as hex.

@@ -22,14 +22,12 @@
 //!  write ──► current_lsn ──► wait_caught_up: slot confirmed ≥ lsn ──► end offsets ──► groups committed ≥ end offsets
 //! ```
 
-use crate::sink::CreateClient as _;
 use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
@@ -405,24 +403,7 @@ async fn end_offsets(kafka: &KafkaConfig, topics: &[String]) -> Result<Offsets, 
 }
 
 async fn committed(kafka: &KafkaConfig, group: &str, of: &Offsets) -> Result<Offsets, KitError> {
-    let mut tpl = rdkafka::TopicPartitionList::new();
-    for (t, p) in of.keys() {
-        tpl.add_partition(t, *p);
-    }
-    let consumer: BaseConsumer = sink::client_config(kafka).set("group.id", group).client()?;
-    let done = tokio::task::spawn_blocking(move || {
-        consumer.committed_offsets(tpl, Duration::from_secs(10))
-    })
-    .await
-    .map_err(|e| KitError::Stack(e.to_string()))??;
-    Ok(done
-        .elements()
-        .iter()
-        .filter_map(|e| match e.offset() {
-            rdkafka::Offset::Offset(o) => Some(((e.topic().to_string(), e.partition()), o)),
-            _ => None,
-        })
-        .collect())
+    Ok(sink::group_committed(kafka, group, of.keys().cloned()).await?)
 }
 
 /// A read model's rows, by key: the result of a query, each row as JSON

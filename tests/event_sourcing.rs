@@ -3,7 +3,6 @@
 //! upcasters, and the test kit (`pgcdc::testkit`) that runs the pipeline
 //! in-process and waits for it without sleeps.
 
-use pgcdc::sink::CreateClient as _;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,6 +10,7 @@ use std::time::Duration;
 use pgcdc::config::Config;
 use pgcdc::event_store::{AppendError, EventStore, Expected, NewEvent, VersionFound};
 use pgcdc::projection::{self, Projection, Upcasters};
+use pgcdc::sink::CreateClient as _;
 use pgcdc::testkit::{self, Pipeline, Rows};
 use serde_json::json;
 

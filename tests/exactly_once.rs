@@ -8,11 +8,11 @@
 //! consumer also sees records of transactions that never committed
 //! (`the_mock_cluster_does_not_hide_uncommitted_records` pins that down).
 
-use pgcdc::sink::CreateClient as _;
 use std::collections::HashMap;
 use std::time::Duration;
 
 use apache_avro::types::Value;
+use pgcdc::sink::CreateClient as _;
 use pgcdc::source::pgoutput::Lsn;
 use rdkafka::mocking::MockCluster;
 use rdkafka::producer::DefaultProducerContext;

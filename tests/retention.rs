@@ -2,13 +2,13 @@
 //! broker: an untouched log, a log that retention cut into, a compacted
 //! log, and the slot's WAL piling up while the connector is stopped.
 
-use pgcdc::sink::CreateClient as _;
 use std::time::Duration;
 
 use serde_json::Value as Json;
 
 use crate::materialize::{self as mat, checksum, differences};
 use crate::support::{self, ConfigFile, ConnectorProcess, Run, ScratchCluster};
+use pgcdc::sink::CreateClient as _;
 use pgcdc::snapshot_marker::{self, Kind, Phase};
 
 /// A read model declared after the fact: totals per order status.

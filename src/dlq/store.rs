@@ -17,7 +17,6 @@
 //!   only from the state it expects, after [`super::state::check`]
 //!   allowed it, and writes the audit row in the same statement.
 
-use crate::sink::CreateClient as _;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -30,6 +29,7 @@ use tokio_postgres::{GenericClient, Row};
 use super::{Class, Outcome, State};
 use crate::config::Config;
 use crate::sink;
+use crate::sink::CreateClient as _;
 
 pub const SCHEMA_SQL: &str = "
 CREATE SCHEMA IF NOT EXISTS pgcdc_dlq;

@@ -232,6 +232,16 @@ impl Mirror {
             .collect()
     }
 
+    /// The key columns as text, in key order, for a select list (a
+    /// change's key is their text).
+    pub fn key_as_text(&self) -> String {
+        self.key
+            .iter()
+            .map(|&i| format!("{}::text", quote_ident(&self.columns[i].name)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// The key in the fast dedup tier: `<mirror>|<key_text>`.
     pub fn cache_key(&self, key: &[String]) -> String {
         format!("{}|{}", self.qualified, self.key_text(key))

@@ -54,10 +54,10 @@ pub mod mirror;
 pub mod rebuild;
 pub mod recent;
 pub mod replay;
+pub mod resnapshot;
 pub mod shape;
 pub mod view;
 
-use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,6 +76,7 @@ use crate::encode::{decode_datum, unframe};
 use crate::observe;
 use crate::registry::client::{ClientError, RegistryClient};
 use crate::sink;
+use crate::sink::CreateClient as _;
 use mirror::{Mirror, Outcome, Statements};
 use shape::{Cell, Column};
 use view::View;
@@ -94,6 +95,8 @@ pub enum MaterializeError {
     Schema(String),
     #[error("dead-letter topic: {0}")]
     DeadLetter(String),
+    #[error("snapshot markers: {0}")]
+    Markers(String),
     #[error("registry unavailable: {0}")]
     RegistryUnavailable(String),
     #[error(transparent)]
@@ -130,7 +133,9 @@ impl MaterializeError {
                 Some(Verdict::Retry(cause)) => Some(cause),
                 _ => None,
             },
-            MaterializeError::Kafka(_) | MaterializeError::DeadLetter(_) => Some("kafka"),
+            MaterializeError::Kafka(_)
+            | MaterializeError::DeadLetter(_)
+            | MaterializeError::Markers(_) => Some("kafka"),
             MaterializeError::Registry(_) | MaterializeError::RegistryUnavailable(_) => {
                 Some("registry")
             }
@@ -910,6 +915,9 @@ async fn prepare_locked(config: &Config, db: &Client) -> Result<Prepared, Materi
     })
 }
 
+/// How often the tombstone sweep and the sweep after a new snapshot run.
+const HOUSEKEEPING: Duration = Duration::from_secs(60);
+
 /// Runs until SIGINT/SIGTERM or an infrastructure error.
 pub async fn run(config: Config) -> Result<(), MaterializeError> {
     // First of all, so a stop request during start-up ends cleanly.
@@ -984,8 +992,30 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     // interval still sweeps.
     sweep(&db, target.redelivery_window_hours).await?;
     let mut last_sweep = Instant::now();
+    let mut resnapshots = resnapshot::Sweeps::default();
     observe::board::set_phase(observe::board::Phase::Consuming);
     'batches: loop {
+        // Housekeeping, also while no record comes (the wait below ends
+        // for it): a target down right now is retried next time.
+        if last_sweep.elapsed() >= HOUSEKEEPING {
+            if let Err(e) = sweep(&db, target.redelivery_window_hours).await {
+                tracing::warn!(error = %e, "tombstone sweep failed; trying again later");
+            }
+            if let Err(e) = resnapshot::round(
+                &mut db,
+                &config,
+                &group,
+                &state.mirrors,
+                &state.views,
+                &mut state.statements,
+                &mut resnapshots,
+            )
+            .await
+            {
+                tracing::warn!(error = %e, "the sweep after a new snapshot failed; trying again later");
+            }
+            last_sweep = Instant::now();
+        }
         // A batch: waiting records their tenants' tokens cover, then one
         // message (waited for unless records wait), then what else is
         // ready; room left goes to the waiting (see [`fairness`]).
@@ -1002,6 +1032,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         if batch.is_empty() && fair.waiting() == 0 {
             tokio::select! {
                 _ = shutdown.requested() => break,
+                _ = tokio::time::sleep_until((last_sweep + HOUSEKEEPING).into()) => continue 'batches,
                 m = consumer.recv() => match m {
                     Ok(m) => batch.extend(fair.admit(m.detach(), formed)),
                     Err(e) => {
@@ -1132,13 +1163,6 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
                 }
                 keep
             });
-        }
-        if last_sweep.elapsed() > Duration::from_secs(60) {
-            // Housekeeping: a target down right now is retried next time.
-            if let Err(e) = sweep(&db, target.redelivery_window_hours).await {
-                tracing::warn!(error = %e, "tombstone sweep failed; trying again later");
-            }
-            last_sweep = Instant::now();
         }
     }
     // The last asynchronous commit made sure of: a restart after a clean
@@ -1447,25 +1471,15 @@ async fn seed_bloom(
     let started = Instant::now();
     let mut keys = 0u64;
     for m in mirrors.values() {
-        let cols: Vec<String> = m
-            .key
-            .iter()
-            .map(|&i| {
-                format!(
-                    "{}::text",
-                    crate::source::slot::quote_ident(&m.columns[i].name)
-                )
-            })
-            .collect();
         let rows = db
             .query_raw(
-                &format!("SELECT {} FROM {}", cols.join(", "), m.qualified),
+                &format!("SELECT {} FROM {}", m.key_as_text(), m.qualified),
                 std::iter::empty::<i32>(),
             )
             .await?;
         pin_mut!(rows);
         while let Some(row) = rows.try_next().await? {
-            let key: Vec<String> = (0..cols.len())
+            let key: Vec<String> = (0..m.key.len())
                 .map(|i| row.get::<_, Option<String>>(i).unwrap_or_default())
                 .collect();
             fast.seen(&m.cache_key(&key));

@@ -40,7 +40,6 @@
 //!        ─ live mirrors := shadows ─ recompute read models in full ─ COMMIT
 //! ```
 
-use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
@@ -61,6 +60,7 @@ use crate::config::{Config, DedupConfig};
 use crate::connector::incremental;
 use crate::retention::reach::ReachKind;
 use crate::retention::time::rfc3339;
+use crate::sink::CreateClient as _;
 use crate::source::slot::quote_ident;
 use crate::{retention, sink, source};
 

@@ -64,6 +64,9 @@ pub const MATERIALIZE_CONSUMER_LAG: &str = "pgcdc_materialize_consumer_lag";
 /// Batches retried after an infrastructure error (target, Kafka, registry,
 /// Redis under fail_closed), by `cause`.
 pub const MATERIALIZE_RETRIES: &str = "pgcdc_materialize_retries_total";
+/// Mirror rows removed after a new initial snapshot did not read them, by
+/// `table`.
+pub const MATERIALIZE_RESNAPSHOT_REMOVED: &str = "pgcdc_materialize_resnapshot_removed_total";
 /// 1 while the confirmed LSN stands still as WAL grows.
 pub const SLOT_STALLED: &str = "pgcdc_slot_stalled";
 /// A read model's rebuild reach, by `read_model`: 2 full history, 1
@@ -347,6 +350,10 @@ fn describe() {
     metrics::describe_gauge!(
         MATERIALIZE_CONSUMER_LAG,
         "Messages not yet applied, by topic and partition"
+    );
+    metrics::describe_counter!(
+        MATERIALIZE_RESNAPSHOT_REMOVED,
+        "Mirror rows removed because a new initial snapshot did not read them"
     );
     metrics::describe_counter!(
         MATERIALIZE_RETRIES,

@@ -22,7 +22,6 @@
 pub mod reach;
 pub mod time;
 
-use crate::sink::CreateClient as _;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -35,6 +34,7 @@ use serde::Serialize;
 
 use crate::config::{Config, KafkaConfig};
 use crate::observe;
+use crate::sink::CreateClient as _;
 use crate::snapshot_marker::{self, Marker};
 use crate::source::slot::{self, Risk, RiskLevel};
 use crate::{sink, source};

@@ -4,7 +4,8 @@
 //! the read models back to the source:
 //!
 //! ```text
-//!  pgcdc slot drop --yes ──► pgcdc run (new slot, new snapshot) ──► pgcdc rebuild --from snapshot
+//!  pgcdc slot drop --yes ──► pgcdc run (new slot, new snapshot) ──► the materializer's sweep
+//!                                                             (or pgcdc rebuild --from snapshot)
 //! ```
 
 use std::time::Duration;
@@ -24,6 +25,15 @@ async fn streamed_then_stopped(s: &Scenario, seed: u64) -> (tokio::process::Chil
     (materializer, writer)
 }
 
+/// How the read models get rid of rows deleted while no slot captured.
+#[derive(PartialEq)]
+enum Recovery {
+    /// The materializer removes them once the new snapshot is applied.
+    Sweep,
+    /// `pgcdc rebuild` from the new snapshot, as well.
+    Rebuild,
+}
+
 /// `pgcdc run` refuses with `error`, and `pgcdc check` fails its slot
 /// line with `check`; then the recovery, with the writer still writing.
 async fn refused_then_recovered(
@@ -32,6 +42,7 @@ async fn refused_then_recovered(
     error: &str,
     check: &str,
     writer: Writer,
+    recovery: Recovery,
 ) {
     let config = s.config.arg();
     let run = support::pgcdc(&["run", "--config", config]).await;
@@ -59,21 +70,46 @@ async fn refused_then_recovered(
     writer.stop().await;
     let source = support::connect(&s.source_url).await;
     support::wait_caught_up(&source, &s.name).await;
-    // Rows deleted while no slot captured them are in no snapshot: the
-    // rebuild from the new slot's snapshot removes them from the mirrors,
-    // while the materializer (still catching up on the old history, which
-    // is the point) keeps running.
-    let rebuilt = support::pgcdc(&[
-        "rebuild",
-        "--config",
-        config,
-        "--read-model",
-        "customer_stats",
-    ])
-    .await;
-    assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
-    println!("{}", rebuilt.stdout);
+    // Rows deleted while no slot captured them are in no snapshot and
+    // have no delete in the log.
+    if recovery == Recovery::Rebuild {
+        // The rebuild from the new slot's snapshot removes them from the
+        // mirrors, while the materializer (still catching up on the old
+        // history, which is the point) keeps running.
+        let rebuilt = support::pgcdc(&[
+            "rebuild",
+            "--config",
+            config,
+            "--read-model",
+            "customer_stats",
+        ])
+        .await;
+        assert_eq!(rebuilt.code, 0, "{}", rebuilt.all_output());
+        println!("{}", rebuilt.stdout);
+    }
+    // Otherwise the materializer removes them once it has applied the new
+    // snapshot: the mirrors and read models converge on the source.
     s.verify(scenario, 1).await;
+    // Under a truncate watermark at the new snapshot's floor.
+    let lsn = support::initial_marker(&s.parsed)
+        .await
+        .consistent_point
+        .expect("the new snapshot's consistent point");
+    let target = support::connect(&s.target_url).await;
+    let swept: i64 = target
+        .query_one(
+            "SELECT count(*) FROM pgcdc_state.truncations
+             WHERE mirror IN ('\"mirror\".\"orders\"', '\"mirror\".\"customers\"')
+               AND commit_lsn = ($1::text::pg_lsn - '0/0'::pg_lsn)::bigint AND seq = -1",
+            &[&lsn],
+        )
+        .await
+        .expect("truncations")
+        .get(0);
+    assert_eq!(
+        swept, 2,
+        "the mirrors' watermarks are not at the snapshot {lsn}"
+    );
     assert_eq!(connector.terminate().await, 0);
 }
 
@@ -95,7 +131,17 @@ async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
         .execute("SELECT pg_drop_replication_slot($1)", &[&s.name])
         .await
         .expect("drop the slot");
-    // Changes go on (deletes among them) while no slot captures them.
+    // Changes go on (deletes among them) while no slot captures them;
+    // these orders surely had mirror rows.
+    let deleted = support::connect(&s.source_url)
+        .await
+        .execute(
+            "DELETE FROM orders WHERE id IN (SELECT id FROM orders ORDER BY id LIMIT 3)",
+            &[],
+        )
+        .await
+        .expect("delete");
+    assert_eq!(deleted, 3);
     tokio::time::sleep(Duration::from_secs(3)).await;
     refused_then_recovered(
         &s,
@@ -103,6 +149,7 @@ async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
         "is gone",
         "dropped outside pgcdc",
         writer,
+        Recovery::Sweep,
     )
     .await;
     assert_eq!(crate::materialize::terminate(materializer).await, Some(0));
@@ -174,6 +221,7 @@ async fn an_invalidated_slot_is_refused_reported_and_recovered() {
         "is invalidated",
         "invalidated",
         writer,
+        Recovery::Rebuild,
     )
     .await;
     assert_eq!(crate::materialize::terminate(materializer).await, Some(0));
