@@ -540,9 +540,24 @@ pub async fn watermarks(
     topics: &[String],
 ) -> Result<std::collections::BTreeMap<String, std::collections::BTreeMap<i32, (i64, i64)>>, String>
 {
+    watermarks_as(kafka, topics, "read_committed").await
+}
+
+/// [`watermarks`] as a reader at `isolation` (`read_committed`: the high
+/// mark stops at the first record of an open transaction;
+/// `read_uncommitted`: it includes them).
+pub async fn watermarks_as(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    isolation: &'static str,
+) -> Result<std::collections::BTreeMap<String, std::collections::BTreeMap<i32, (i64, i64)>>, String>
+{
     let (kafka, topics) = (kafka.clone(), topics.to_vec());
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = client_config(&kafka).client().map_err(|e| e.to_string())?;
+        let consumer: BaseConsumer = client_config(&kafka)
+            .set("isolation.level", isolation)
+            .client()
+            .map_err(|e| e.to_string())?;
         let mut out = std::collections::BTreeMap::new();
         for topic in &topics {
             let md = consumer

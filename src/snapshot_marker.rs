@@ -213,12 +213,33 @@ pub async fn all(kafka: &KafkaConfig, topic: &str) -> Result<Vec<Marker>, String
         .collect())
 }
 
-/// End offsets of every partition of `topics`.
+/// End offsets of every partition of `topics`, as a committed reader
+/// sees them.
 pub async fn end_offsets(
     kafka: &KafkaConfig,
     topics: &[String],
 ) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
-    Ok(sink::watermarks(kafka, topics)
+    offsets_as(kafka, topics, "read_committed").await
+}
+
+/// End offsets of every partition of `topics` past everything written,
+/// open transactions included: a snapshot's [`Marker::end_offsets`].
+/// Under exactly-once the snapshot's own transaction is still open when
+/// its marker is written, and a committed reader's end would stop at its
+/// first record.
+pub async fn written_offsets(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
+    offsets_as(kafka, topics, "read_uncommitted").await
+}
+
+async fn offsets_as(
+    kafka: &KafkaConfig,
+    topics: &[String],
+    isolation: &'static str,
+) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
+    Ok(sink::watermarks_as(kafka, topics, isolation)
         .await?
         .into_iter()
         .map(|(t, parts)| {

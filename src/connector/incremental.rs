@@ -724,7 +724,7 @@ impl Engine {
         marker.consistent_point = Some(Lsn(commit_lsn).to_string());
         marker.consistent_ts_ms = Some(now_ms());
         marker.ts_ms = now_ms();
-        marker.end_offsets = snapshot_marker::end_offsets(&self.config.kafka, &topics)
+        marker.end_offsets = snapshot_marker::written_offsets(&self.config.kafka, &topics)
             .await
             .map_err(RunError::Delivery)?;
         snapshot_marker::write(&output.producer, &self.config, &marker)

@@ -1257,7 +1257,7 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
             marker.phase = Phase::Completed;
             marker.consistent_point = Some(consistent_point.to_string());
             marker.rows = rows;
-            marker.end_offsets = snapshot_marker::end_offsets(&config.kafka, &topics)
+            marker.end_offsets = snapshot_marker::written_offsets(&config.kafka, &topics)
                 .await
                 .map_err(RunError::Delivery)?;
             marker.ts_ms = now_ms();

@@ -22,11 +22,17 @@
 //!  group's committed offsets ≥ the marker's end offsets? ── no ──► the next round
 //!        │ yes
 //!        ▼
-//!  at least half the rows it read are in the mirror at (P, 0) or later? ── no ──► warn once
-//!        │ yes                                   (the group skipped its records: rebuild)
+//!  every record of it still in the log, and every row it read in the ── no ──► keep them, warn
+//!  mirror at (P, 0) or later (or deleted since, with a tombstone)?          once, look again next round
+//!        │ yes
 //!        ▼
 //!  BEGIN ─► view keys of the rows below (P, -1) ─► delete them, watermark (P, -1) ─► recompute ─► COMMIT
 //! ```
+//!
+//! The checks keep live rows: a record the group never applied (offsets
+//! reset past it, retention deleted it first, a dead letter not replayed
+//! yet) leaves a row the snapshot read unaccounted for, and the sweep
+//! waits.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 
@@ -44,8 +50,9 @@ use crate::source::pgoutput::Lsn;
 /// table is recomputed instead of the removed rows' keys one by one.
 const KEYS_ONE_BY_ONE: i64 = 10_000;
 
-/// What the rounds remember: mirrors swept (or found clean) and warned
-/// about, per snapshot.
+/// What the rounds remember: mirrors swept (or found clean) per
+/// snapshot, and the ones already warned about (a held-off mirror is
+/// looked at again each round: a replayed dead letter may complete it).
 #[derive(Debug, Default)]
 pub struct Sweeps {
     settled: HashSet<(String, Lsn)>,
@@ -67,36 +74,75 @@ fn initial_snapshot(marker: Marker) -> Option<(Lsn, Marker)> {
     Some((lsn, marker))
 }
 
-/// Whether `committed` reaches `end` on every partition of `topics` the
-/// snapshot wrote to. Under exactly-once the snapshot's transaction ends
-/// in a commit marker the group never commits past until a later record
-/// arrives, so one short of the end counts (a record applied after the
-/// sweep is applied as usual).
-pub fn applied(
-    marker: &Marker,
-    topics: &[String],
-    committed: &std::collections::BTreeMap<(String, i32), i64>,
-    exactly_once: bool,
-) -> bool {
-    topics.iter().all(|topic| {
+/// A partition the snapshot wrote to, with the offsets of its first
+/// record and past its last.
+pub type Written = ((String, i32), (i64, i64));
+
+/// The partitions of `topics` the snapshot wrote to.
+fn written(marker: &Marker, topics: &[String]) -> Vec<Written> {
+    let mut out = Vec::new();
+    for topic in topics {
         let Some(ends) = marker.end_offsets.get(topic) else {
-            return true;
+            continue;
         };
         let starts = marker.start_offsets.get(topic);
-        ends.iter().all(|(p, end)| {
+        for (p, end) in ends {
             let start = starts.and_then(|s| s.get(p)).copied().unwrap_or(0);
-            let wanted = if exactly_once { end - 1 } else { *end };
-            *end <= start
-                || committed
-                    .get(&(topic.clone(), *p))
-                    .is_some_and(|c| *c >= wanted)
-        })
-    })
+            if *end > start {
+                out.push(((topic.clone(), *p), (start, *end)));
+            }
+        }
+    }
+    out
+}
+
+/// Whether `committed` is past the end of every partition the snapshot
+/// wrote to. (Under exactly-once the end is past its records, open
+/// transaction included, and a consumer commits past the last one.)
+pub fn applied(
+    written: &[Written],
+    committed: &std::collections::BTreeMap<(String, i32), i64>,
+) -> bool {
+    written
+        .iter()
+        .all(|(tp, (_, end))| committed.get(tp).is_some_and(|c| c >= end))
+}
+
+/// Why the rows below the floor must stay, if they must.
+#[derive(Debug, PartialEq)]
+pub enum HoldOff {
+    /// Retention deleted some of the snapshot's records: the group may
+    /// have jumped past them.
+    Expired { topic: String, partition: i32 },
+    /// Fewer of the snapshot's rows reached the mirror (or were deleted
+    /// since, leaving a tombstone) than it read: records skipped or
+    /// dead-lettered.
+    Short { read: u64, found: u64 },
+}
+
+/// The checks before a sweep: every record of the snapshot still there
+/// or applied, and every row it read accounted for.
+pub fn hold_off(
+    written: &[Written],
+    log_starts: &std::collections::BTreeMap<(String, i32), i64>,
+    read: u64,
+    found: u64,
+) -> Option<HoldOff> {
+    if let Some(((topic, partition), _)) = written
+        .iter()
+        .find(|(tp, (start, _))| log_starts.get(tp).is_some_and(|low| low > start))
+    {
+        return Some(HoldOff::Expired {
+            topic: topic.clone(),
+            partition: *partition,
+        });
+    }
+    (found < read).then_some(HoldOff::Short { read, found })
 }
 
 /// One round: sweeps each mirror the slot's latest initial snapshot has
-/// been applied to. Errors are the caller's to log: the next round tries
-/// again.
+/// been applied to. A mirror that fails is logged and the others go on;
+/// the next round tries it again.
 pub async fn round(
     db: &mut Client,
     config: &Config,
@@ -117,48 +163,88 @@ pub async fn round(
         return Ok(());
     };
     for m in mirrors.values() {
-        let id = (m.qualified.clone(), lsn);
         let Some(&read) = marker.rows.get(&m.source) else {
             continue;
         };
-        if sweeps.settled.contains(&id) || sweeps.warned.contains(&id) {
+        let id = (m.qualified.clone(), lsn);
+        if sweeps.settled.contains(&id) {
             continue;
         }
-        if watermark(db, m).await?.is_some_and(|w| w >= floor(lsn)) {
-            sweeps.settled.insert(id);
-            continue;
-        }
-        let topics = config.topics_of(&m.source);
-        let mut partitions: Vec<(String, i32)> = Vec::new();
-        for t in &topics {
-            for p in marker.end_offsets.get(t).into_iter().flat_map(|e| e.keys()) {
-                partitions.push((t.clone(), *p));
+        match mirror_round(db, config, group, m, views, statements, &marker, lsn, read).await {
+            Ok(None) => {
+                sweeps.settled.insert(id);
+            }
+            Ok(Some(Held::NotYet)) => {}
+            Ok(Some(Held::Off(why))) => {
+                if sweeps.warned.insert(id) {
+                    tracing::warn!(mirror = %m.qualified, snapshot = %lsn, reason = ?why,
+                        "rows the new snapshot did not read are kept for now: its records may not all have been applied; if this persists, run `pgcdc rebuild` for the read models over the table");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(mirror = %m.qualified, error = %e,
+                    "the sweep after a new snapshot failed; trying again later")
             }
         }
-        let committed = crate::sink::group_committed(&config.kafka, group, partitions).await?;
-        if !applied(&marker, &topics, &committed, config.kafka.exactly_once) {
-            continue;
-        }
-        let (kept, stale) = census(db, m, lsn).await?;
-        // Records of the snapshot the group never applied (offsets reset
-        // past them, retention deleted them first) would leave most of its
-        // rows below the floor: removing them would empty a live mirror.
-        if stale > 0 && (kept as u64).saturating_mul(2) < read {
-            tracing::warn!(mirror = %m.qualified, snapshot = %lsn, read, kept, stale,
-                "rows the new snapshot did not read are kept: fewer than half of the rows it read are in the mirror, as if the group skipped its records; run `pgcdc rebuild` for the read models over it");
-            sweeps.warned.insert(id);
-            continue;
-        }
-        sweep(db, m, views, statements, lsn, stale).await?;
-        if stale > 0 {
-            metrics::counter!(observe::MATERIALIZE_RESNAPSHOT_REMOVED, "table" => m.source.clone())
-                .increment(stale as u64);
-            tracing::info!(mirror = %m.qualified, snapshot = %lsn, removed = stale,
-                "rows the new snapshot did not read (deleted at the source while nothing was captured) removed");
-        }
-        sweeps.settled.insert(id);
     }
     Ok(())
+}
+
+/// Why a mirror's round did not settle it.
+enum Held {
+    /// The group has not applied the snapshot yet.
+    NotYet,
+    Off(HoldOff),
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn mirror_round(
+    db: &mut Client,
+    config: &Config,
+    group: &str,
+    m: &Mirror,
+    views: &[View],
+    statements: &mut Statements,
+    marker: &Marker,
+    lsn: Lsn,
+    read: u64,
+) -> Result<Option<Held>, MaterializeError> {
+    if watermark(db, m).await?.is_some_and(|w| w >= floor(lsn)) {
+        return Ok(None);
+    }
+    let topics = config.topics_of(&m.source);
+    let written = written(marker, &topics);
+    let committed = crate::sink::group_committed(
+        &config.kafka,
+        group,
+        written.iter().map(|(tp, _)| tp.clone()),
+    )
+    .await?;
+    if !applied(&written, &committed) {
+        return Ok(Some(Held::NotYet));
+    }
+    let log_starts = crate::sink::watermarks(&config.kafka, &topics)
+        .await
+        .map_err(MaterializeError::Markers)?
+        .into_iter()
+        .flat_map(|(t, parts)| {
+            parts
+                .into_iter()
+                .map(move |(p, (low, _))| ((t.clone(), p), low))
+        })
+        .collect();
+    let found = found(db, m, lsn).await?;
+    if let Some(why) = hold_off(&written, &log_starts, read, found) {
+        return Ok(Some(Held::Off(why)));
+    }
+    let removed = sweep(db, m, views, statements, lsn).await?;
+    if removed > 0 {
+        metrics::counter!(observe::MATERIALIZE_RESNAPSHOT_REMOVED, "table" => m.source.clone())
+            .increment(removed);
+        tracing::info!(mirror = %m.qualified, snapshot = %lsn, removed,
+            "rows the new snapshot did not read (deleted at the source while nothing was captured) removed");
+    }
+    Ok(None)
 }
 
 async fn watermark(db: &Client, m: &Mirror) -> Result<Option<Position>, tokio_postgres::Error> {
@@ -171,39 +257,49 @@ async fn watermark(db: &Client, m: &Mirror) -> Result<Option<Position>, tokio_po
         .map(|r| (r.get(0), r.get(1))))
 }
 
-/// Rows at or after the snapshot, and rows older than it.
-async fn census(db: &Client, m: &Mirror, lsn: Lsn) -> Result<(i64, i64), tokio_postgres::Error> {
+/// The snapshot's rows accounted for: mirror rows at or after it, and
+/// keys deleted after it (their tombstones).
+async fn found(db: &Client, m: &Mirror, lsn: Lsn) -> Result<u64, tokio_postgres::Error> {
     let (at, seq) = floor(lsn);
     let row = db
         .query_one(
             &format!(
-                "SELECT count(*) FILTER (WHERE (_pgcdc_commit_lsn, _pgcdc_seq) > ($1, $2)),
-                        count(*) FILTER (WHERE (_pgcdc_commit_lsn, _pgcdc_seq) < ($1, $2))
-                 FROM {}",
+                "SELECT (SELECT count(*) FROM {} WHERE (_pgcdc_commit_lsn, _pgcdc_seq) > ($1, $2))
+                      + (SELECT count(*) FROM pgcdc_state.tombstones
+                         WHERE mirror = $3 AND (commit_lsn, seq) > ($1, $2))",
                 m.qualified
             ),
-            &[&at, &seq],
+            &[&at, &seq, &m.qualified],
         )
         .await?;
-    Ok((row.get(0), row.get(1)))
+    Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
 }
 
 /// Removes the rows below the snapshot's floor and recomputes the read
-/// models over them, in one serializable transaction.
+/// models over them, in one serializable transaction; the rows removed.
 async fn sweep(
     db: &mut Client,
     m: &Mirror,
     views: &[View],
     statements: &mut Statements,
     lsn: Lsn,
-    stale: i64,
-) -> Result<(), MaterializeError> {
+) -> Result<u64, MaterializeError> {
     let (at, seq) = floor(lsn);
     let tx = db
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::Serializable)
         .start()
         .await?;
+    // Counted and keyed inside the transaction: a dead letter replayed
+    // since the checks may have added one.
+    let below = format!(
+        "FROM {} WHERE (_pgcdc_commit_lsn, _pgcdc_seq) < ($1, $2)",
+        m.qualified
+    );
+    let stale: i64 = tx
+        .query_one(&format!("SELECT count(*) {below}"), &[&at, &seq])
+        .await?
+        .get(0);
     let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
     if stale > KEYS_ONE_BY_ONE {
         for (view, out) in views.iter().zip(affected.iter_mut()) {
@@ -213,14 +309,7 @@ async fn sweep(
         }
     } else if stale > 0 {
         let rows = tx
-            .query(
-                &format!(
-                    "SELECT {} FROM {} WHERE (_pgcdc_commit_lsn, _pgcdc_seq) < ($1, $2)",
-                    m.key_as_text(),
-                    m.qualified
-                ),
-                &[&at, &seq],
-            )
+            .query(&format!("SELECT {} {below}", m.key_as_text()), &[&at, &seq])
             .await?;
         for row in rows {
             let key: Vec<String> = (0..m.key.len())
@@ -229,10 +318,13 @@ async fn sweep(
             super::view_keys(&tx, statements, views, m, &key, &mut affected).await?;
         }
     }
-    mirror::truncate(&tx, m, (at, seq)).await?;
+    // Another instance may have swept first.
+    if mirror::truncate(&tx, m, (at, seq)).await? == mirror::Outcome::Duplicate {
+        return Ok(0);
+    }
     super::recompute_views(&tx, views, statements, &affected).await?;
     tx.commit().await?;
-    Ok(())
+    Ok(u64::try_from(stale).unwrap_or(0))
 }
 
 #[cfg(test)]
@@ -262,20 +354,48 @@ mod tests {
     #[test]
     fn a_snapshot_counts_as_applied_once_every_partition_it_wrote_is_committed_past_its_end() {
         let m = marker(&[(0, 10), (1, 5), (2, 7)], &[(0, 20), (1, 5), (2, 9)]);
-        let topics = vec!["t".to_string()];
+        let w = written(&m, &["t".to_string(), "other".to_string()]);
+        // Partition 1 got no snapshot row; a topic the marker does not know
+        // of got none either.
+        assert_eq!(
+            w,
+            vec![
+                (("t".to_string(), 0), (10, 20)),
+                (("t".to_string(), 2), (7, 9))
+            ]
+        );
         let committed = |c: &[(i32, i64)]| -> BTreeMap<(String, i32), i64> {
             c.iter().map(|(p, o)| (("t".to_string(), *p), *o)).collect()
         };
-        // Partition 1 got no snapshot row: no commit needed there.
-        assert!(applied(&m, &topics, &committed(&[(0, 20), (2, 9)]), false));
-        assert!(!applied(&m, &topics, &committed(&[(0, 19), (2, 9)]), false));
+        assert!(applied(&w, &committed(&[(0, 20), (2, 9)])));
+        assert!(applied(&w, &committed(&[(0, 25), (1, 0), (2, 9)])));
+        assert!(!applied(&w, &committed(&[(0, 19), (2, 9)])));
         // A partition never committed is not applied.
-        assert!(!applied(&m, &topics, &committed(&[(0, 20)]), false));
-        // Exactly-once: the transaction's commit marker takes the last offset.
-        assert!(applied(&m, &topics, &committed(&[(0, 19), (2, 8)]), true));
-        assert!(!applied(&m, &topics, &committed(&[(0, 18), (2, 8)]), true));
-        // A topic the marker does not know of (none written) holds nothing.
-        assert!(applied(&m, &["other".to_string()], &committed(&[]), false));
+        assert!(!applied(&w, &committed(&[(0, 20)])));
+    }
+
+    #[test]
+    fn rows_stay_while_records_expired_or_rows_are_missing() {
+        let w = vec![(("t".to_string(), 0), (10, 20))];
+        let starts = |low: i64| BTreeMap::from([(("t".to_string(), 0), low)]);
+        assert_eq!(hold_off(&w, &starts(10), 100, 100), None);
+        assert_eq!(hold_off(&w, &starts(0), 100, 130), None);
+        assert_eq!(
+            hold_off(&w, &starts(11), 100, 100),
+            Some(HoldOff::Expired {
+                topic: "t".into(),
+                partition: 0
+            })
+        );
+        assert_eq!(
+            hold_off(&w, &starts(10), 100, 99),
+            Some(HoldOff::Short {
+                read: 100,
+                found: 99
+            })
+        );
+        // A table the snapshot found empty: everything below the floor goes.
+        assert_eq!(hold_off(&[], &BTreeMap::new(), 0, 0), None);
     }
 
     #[test]
