@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use clap::Parser;
 use pgcdc::cli::{self, Cli};
 use pgcdc::exit;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 // Every change event allocates a few short-lived buffers; glibc's malloc
 // spent a fifth of the connector's samples on them (unlink, consolidate).
@@ -16,17 +18,20 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     let parsed = Cli::parse();
-    let filter = pgcdc::observe::log_filter(std::env::var("RUST_LOG").ok().as_deref());
     // Colours only on a terminal: a log file or a collector gets plain text.
     let colours = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none();
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let lines = tracing_subscriber::fmt::layer()
         .with_ansi(colours)
         .with_writer(std::io::stderr);
+    let logs = tracing_subscriber::registry()
+        .with(pgcdc::observe::log_filter(
+            std::env::var("RUST_LOG").ok().as_deref(),
+        ))
+        .with(pgcdc::observe::row_value_guard());
     match parsed.log_format {
-        cli::LogFormat::Text => logs.init(),
-        cli::LogFormat::Json => logs.json().flatten_event(true).init(),
+        cli::LogFormat::Text => logs.with(lines).init(),
+        cli::LogFormat::Json => logs.with(lines.json().flatten_event(true)).init(),
     }
     match tokio::runtime::Runtime::new() {
         Ok(runtime) => {

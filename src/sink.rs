@@ -97,10 +97,12 @@ fn without_value(e: KafkaError) -> KafkaError {
     const HIDDEN: &str = "(value not shown)";
     match e {
         KafkaError::ClientConfig(res, desc, key, value) => {
-            let desc = if value.is_empty() {
-                desc
+            // A value quoted in the description goes with it (replacing
+            // only the value would garble a text around a short one).
+            let desc = if !value.is_empty() && desc.contains(&value) {
+                format!("the value of \"{key}\" is refused")
             } else {
-                desc.replace(&value, HIDDEN)
+                desc
             };
             KafkaError::ClientConfig(res, desc, key, HIDDEN.to_string())
         }
@@ -359,10 +361,22 @@ fn cluster_metadata<C: rdkafka::consumer::ConsumerContext>(
 ) -> Result<rdkafka::metadata::Metadata, KafkaError> {
     const FIRST: Duration = Duration::from_secs(5);
     const ALL: Duration = Duration::from_secs(30);
-    probe.fetch_metadata(None, FIRST).or_else(|e| {
-        tracing::warn!(%brokers, error = %e, wait_secs = (ALL - FIRST).as_secs(),
-            "Kafka is not answering yet; still trying");
-        probe.fetch_metadata(None, ALL - FIRST)
+    use RDKafkaErrorCode as C;
+    probe.fetch_metadata(None, FIRST).or_else(|e| match e {
+        // Not reached yet; anything else (refused credentials, say) is
+        // the answer.
+        KafkaError::MetadataFetch(
+            C::OperationTimedOut
+            | C::BrokerTransportFailure
+            | C::AllBrokersDown
+            | C::Resolve
+            | C::RequestTimedOut,
+        ) => {
+            tracing::warn!(%brokers, error = %e, wait_secs = (ALL - FIRST).as_secs(),
+                "Kafka is not answering yet; still trying");
+            probe.fetch_metadata(None, ALL - FIRST)
+        }
+        other => Err(other),
     })
 }
 
@@ -540,22 +554,34 @@ pub async fn watermarks(
     topics: &[String],
 ) -> Result<std::collections::BTreeMap<String, std::collections::BTreeMap<i32, (i64, i64)>>, String>
 {
-    watermarks_as(kafka, topics, "read_committed").await
+    watermarks_as(kafka, topics, Isolation::Committed).await
 }
 
-/// [`watermarks`] as a reader at `isolation` (`read_committed`: the high
-/// mark stops at the first record of an open transaction;
-/// `read_uncommitted`: it includes them).
+/// Whose view of a partition's end: a committed reader's stops at the
+/// first record of an open transaction, an uncommitted reader's does not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isolation {
+    Committed,
+    Uncommitted,
+}
+
+/// [`watermarks`] as a reader at `isolation`.
 pub async fn watermarks_as(
     kafka: &KafkaConfig,
     topics: &[String],
-    isolation: &'static str,
+    isolation: Isolation,
 ) -> Result<std::collections::BTreeMap<String, std::collections::BTreeMap<i32, (i64, i64)>>, String>
 {
     let (kafka, topics) = (kafka.clone(), topics.to_vec());
     tokio::task::spawn_blocking(move || {
         let consumer: BaseConsumer = client_config(&kafka)
-            .set("isolation.level", isolation)
+            .set(
+                "isolation.level",
+                match isolation {
+                    Isolation::Committed => "read_committed",
+                    Isolation::Uncommitted => "read_uncommitted",
+                },
+            )
             .client()
             .map_err(|e| e.to_string())?;
         let mut out = std::collections::BTreeMap::new();

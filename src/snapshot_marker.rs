@@ -219,7 +219,7 @@ pub async fn end_offsets(
     kafka: &KafkaConfig,
     topics: &[String],
 ) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
-    offsets_as(kafka, topics, "read_committed").await
+    offsets_as(kafka, topics, sink::Isolation::Committed).await
 }
 
 /// End offsets of every partition of `topics` past everything written,
@@ -231,13 +231,13 @@ pub async fn written_offsets(
     kafka: &KafkaConfig,
     topics: &[String],
 ) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
-    offsets_as(kafka, topics, "read_uncommitted").await
+    offsets_as(kafka, topics, sink::Isolation::Uncommitted).await
 }
 
 async fn offsets_as(
     kafka: &KafkaConfig,
     topics: &[String],
-    isolation: &'static str,
+    isolation: sink::Isolation,
 ) -> Result<BTreeMap<String, BTreeMap<i32, i64>>, String> {
     Ok(sink::watermarks_as(kafka, topics, isolation)
         .await?

@@ -178,31 +178,41 @@ impl TableMeters {
     }
 }
 
-/// The log filter: `RUST_LOG` (default `info`), with the targets that
-/// would print row values held at `info` whatever it says.
-/// tokio-postgres logs every statement's bound parameters at debug
-/// (`executing statement ... with parameters: [...]`: mirror rows, view
-/// keys) and statements' text; a later directive for the same target
-/// replaces the user's.
+/// Targets whose lines above info print row values: tokio-postgres logs
+/// every statement's bound parameters at debug (`executing statement ...
+/// with parameters: [...]`: mirror rows, view keys), and statements' text.
+const ROW_VALUE_TARGETS: &[&str] = &[
+    "tokio_postgres::query",
+    "tokio_postgres::prepare",
+    "tokio_postgres::simple_query",
+    "tokio_postgres::copy_in",
+    "tokio_postgres::copy_out",
+];
+
+/// The log filter: `RUST_LOG`, or `info` by default (with Postgres's
+/// NOTICEs, "already exists, skipping", held at warn).
 pub fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
     use tracing_subscriber::EnvFilter;
-    // Postgres NOTICEs ("already exists, skipping") are noise.
-    const DEFAULT: &str = "info,tokio_postgres::connection=warn";
-    let mut filter = rust_log
+    rust_log
         .and_then(|s| EnvFilter::try_new(s).ok())
-        .unwrap_or_else(|| EnvFilter::new(DEFAULT));
-    for target in [
-        "tokio_postgres::query",
-        "tokio_postgres::prepare",
-        "tokio_postgres::simple_query",
-        "tokio_postgres::copy_in",
-        "tokio_postgres::copy_out",
-    ] {
-        if let Ok(d) = format!("{target}=info").parse() {
-            filter = filter.add_directive(d);
-        }
-    }
-    filter
+        .unwrap_or_else(|| EnvFilter::new("info,tokio_postgres::connection=warn"))
+}
+
+/// Drops what [`ROW_VALUE_TARGETS`] log above info, whatever
+/// [`log_filter`] lets through: a filter of its own, since `EnvFilter`
+/// ranks a user's directive with field names
+/// (`tokio_postgres::query[{message}]=debug`) above any directive added
+/// to it.
+pub fn row_value_guard(
+) -> tracing_subscriber::filter::FilterFn<impl Fn(&tracing::Metadata<'_>) -> bool> {
+    tracing_subscriber::filter::filter_fn(|meta| {
+        *meta.level() <= tracing::Level::INFO
+            || !ROW_VALUE_TARGETS.iter().any(|t| {
+                meta.target()
+                    .strip_prefix(t)
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+            })
+    })
 }
 
 /// Microseconds since the Unix epoch.
@@ -454,30 +464,55 @@ mod tests {
 
     #[test]
     fn debug_logging_never_reaches_the_targets_that_print_row_values() {
+        use std::sync::{Arc, Mutex};
         use tracing_subscriber::layer::SubscriberExt;
-        for rust_log in [
-            None,
-            Some("debug"),
-            Some("trace"),
-            Some("info,tokio_postgres=trace,tokio_postgres::query=trace"),
+        /// The targets of the events that got through.
+        struct Seen(Arc<Mutex<Vec<String>>>);
+        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Seen {
+            fn on_event(
+                &self,
+                event: &tracing::Event<'_>,
+                _: tracing_subscriber::layer::Context<'_, S>,
+            ) {
+                if let Ok(mut seen) = self.0.lock() {
+                    seen.push(event.metadata().target().to_string());
+                }
+            }
+        }
+        // What gets through: the held targets only at info.
+        let (query, queryish, asked) = (
+            "tokio_postgres::query",
+            "tokio_postgres::queryish",
+            "pgcdc::materialize",
+        );
+        for (rust_log, want) in [
+            (None, vec![query]),
+            (Some("debug"), vec![query, queryish, asked]),
+            (Some("trace"), vec![query, queryish, asked]),
+            (
+                Some("info,tokio_postgres=trace,tokio_postgres::query=trace"),
+                vec![query, queryish],
+            ),
+            // A directive with a field name outranks any added one.
+            (
+                Some("debug,tokio_postgres::query[{message}]=trace"),
+                vec![query, queryish, asked],
+            ),
         ] {
-            let subscriber = tracing_subscriber::registry().with(super::log_filter(rust_log));
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let subscriber = tracing_subscriber::registry()
+                .with(super::log_filter(rust_log))
+                .with(super::row_value_guard())
+                .with(Seen(seen.clone()));
             tracing::subscriber::with_default(subscriber, || {
-                assert!(
-                    !tracing::enabled!(target: "tokio_postgres::query", tracing::Level::DEBUG),
-                    "{rust_log:?}"
-                );
-                assert!(
-                    !tracing::enabled!(target: "tokio_postgres::prepare", tracing::Level::DEBUG),
-                    "{rust_log:?}"
-                );
-                // What was asked for elsewhere still holds.
-                assert_eq!(
-                    tracing::enabled!(target: "pgcdc::materialize", tracing::Level::DEBUG),
-                    matches!(rust_log, Some("debug" | "trace")),
-                    "{rust_log:?}"
-                );
+                tracing::debug!(target: "tokio_postgres::query", "executing statement s1 with parameters: [42]");
+                tracing::debug!(target: "tokio_postgres::prepare", "preparing query s1");
+                tracing::info!(target: "tokio_postgres::query", "at info");
+                tracing::debug!(target: "tokio_postgres::queryish", "not a held target");
+                tracing::debug!(target: "pgcdc::materialize", "asked for");
             });
+            let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+            assert_eq!(seen, want, "{rust_log:?}");
         }
     }
 
