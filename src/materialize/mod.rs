@@ -915,7 +915,8 @@ async fn prepare_locked(config: &Config, db: &Client) -> Result<Prepared, Materi
     })
 }
 
-/// How often the tombstone sweep and the sweep after a new snapshot run.
+/// How often the tombstone sweep and the sweep after a new snapshot
+/// ([`resnapshot::keep`]) run.
 const HOUSEKEEPING: Duration = Duration::from_secs(60);
 
 /// Runs until SIGINT/SIGTERM or an infrastructure error.
@@ -988,31 +989,26 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         .held
         .clone()
         .map(|held| tokio::spawn(crate::dlq::keep(config.clone(), held)));
+    // Ends with this function, whichever way it returns.
+    let _resnapshots = crate::connector::AbortOnDrop(tokio::spawn(resnapshot::keep(
+        config.clone(),
+        group.clone(),
+        target.url.clone(),
+        state.mirrors.clone(),
+        state.views.clone(),
+        HOUSEKEEPING,
+    )));
     // At start too: an instance restarted more often than the sweep
     // interval still sweeps.
     sweep(&db, target.redelivery_window_hours).await?;
     let mut last_sweep = Instant::now();
-    let mut resnapshots = resnapshot::Sweeps::default();
     observe::board::set_phase(observe::board::Phase::Consuming);
     'batches: loop {
-        // Housekeeping, also while no record comes (the wait below ends
-        // for it): a target down right now is retried next time.
+        // The tombstone sweep, also while no record comes (the wait below
+        // ends for it): a target down right now is retried next time.
         if last_sweep.elapsed() >= HOUSEKEEPING {
             if let Err(e) = sweep(&db, target.redelivery_window_hours).await {
                 tracing::warn!(error = %e, "tombstone sweep failed; trying again later");
-            }
-            if let Err(e) = resnapshot::round(
-                &mut db,
-                &config,
-                &group,
-                &state.mirrors,
-                &state.views,
-                &mut state.statements,
-                &mut resnapshots,
-            )
-            .await
-            {
-                tracing::warn!(error = %e, "the sweep after a new snapshot failed; trying again later");
             }
             last_sweep = Instant::now();
         }

@@ -140,6 +140,50 @@ pub fn hold_off(
     (found < read).then_some(HoldOff::Short { read, found })
 }
 
+/// Runs a [`round`] every `every`, on a target connection of its own
+/// beside the apply (a round reads Kafka and may recompute many read-model
+/// rows: the batches must not wait for it), until the task is aborted.
+pub async fn keep(
+    config: std::sync::Arc<Config>,
+    group: String,
+    url: crate::secret::Dsn,
+    mirrors: HashMap<String, Mirror>,
+    views: Vec<View>,
+    every: std::time::Duration,
+) {
+    let mut sweeps = Sweeps::default();
+    let mut db: Option<(Client, Statements)> = None;
+    loop {
+        tokio::time::sleep(every).await;
+        if db.as_ref().is_none_or(|(c, _)| c.is_closed()) {
+            match crate::source::connect(&url).await {
+                Ok(c) => db = Some((c, Statements::default())),
+                Err(e) => {
+                    tracing::warn!(error = %crate::source::error_text(&e),
+                        "the sweep after a new snapshot cannot reach the target; trying again later");
+                    continue;
+                }
+            }
+        }
+        let Some((c, statements)) = db.as_mut() else {
+            continue;
+        };
+        if let Err(e) = round(
+            c,
+            &config,
+            &group,
+            &mirrors,
+            &views,
+            statements,
+            &mut sweeps,
+        )
+        .await
+        {
+            tracing::warn!(error = %e, "the sweep after a new snapshot failed; trying again later");
+        }
+    }
+}
+
 /// One round: sweeps each mirror the slot's latest initial snapshot has
 /// been applied to. A mirror that fails is logged and the others go on;
 /// the next round tries it again.
