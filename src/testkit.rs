@@ -309,7 +309,8 @@ impl Pipeline {
                 })
                 .await?;
             self.until(deadline, async |config: &Config| {
-                let committed = committed(&config.kafka, &group, &ends).await?;
+                let committed =
+                    sink::group_committed(&config.kafka, &group, ends.keys().cloned()).await?;
                 let behind: Vec<String> = ends
                     .iter()
                     .filter_map(|(tp, end)| {
@@ -400,10 +401,6 @@ async fn end_offsets(kafka: &KafkaConfig, topics: &[String]) -> Result<Offsets, 
         }
     }
     Ok(out)
-}
-
-async fn committed(kafka: &KafkaConfig, group: &str, of: &Offsets) -> Result<Offsets, KitError> {
-    Ok(sink::group_committed(kafka, group, of.keys().cloned()).await?)
 }
 
 /// A read model's rows, by key: the result of a query, each row as JSON

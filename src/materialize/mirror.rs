@@ -901,6 +901,21 @@ pub async fn delete_many(
 
 /// Empties a mirror and records the truncate's position, unless a newer
 /// truncate is recorded.
+/// The mirror's truncate watermark: rows and changes older than it are
+/// gone for good.
+pub async fn truncated_at(
+    client: &impl GenericClient,
+    mirror: &Mirror,
+) -> Result<Option<Position>, tokio_postgres::Error> {
+    Ok(client
+        .query_opt(
+            "SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1",
+            &[&mirror.qualified],
+        )
+        .await?
+        .map(|r| (r.get(0), r.get(1))))
+}
+
 pub async fn truncate(
     tx: &Transaction<'_>,
     mirror: &Mirror,
@@ -913,14 +928,10 @@ pub async fn truncate(
         )
         .await?;
     }
-    let stored = tx
-        .query_opt(
-            "SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1",
-            &[&mirror.qualified],
-        )
+    if truncated_at(tx, mirror)
         .await?
-        .map(|r| (r.get::<_, i64>(0), r.get::<_, i64>(1)));
-    if stored.is_some_and(|p| p >= position) {
+        .is_some_and(|p| p >= position)
+    {
         return Ok(Outcome::Duplicate);
     }
     // Only what is older than the truncate: a truncate has no key, so it

@@ -54,14 +54,14 @@ const KEYS_ONE_BY_ONE: i64 = 10_000;
 /// snapshot, and the ones already warned about (a held-off mirror is
 /// looked at again each round: a replayed dead letter may complete it).
 #[derive(Debug, Default)]
-pub struct Sweeps {
+struct Sweeps {
     settled: HashSet<(String, Lsn)>,
     warned: HashSet<(String, Lsn)>,
 }
 
 /// The floor below which a mirror row predates the snapshot at `lsn`: its
 /// rows carry `(lsn, 0)`.
-pub fn floor(lsn: Lsn) -> Position {
+fn floor(lsn: Lsn) -> Position {
     (lsn.0 as i64, -1)
 }
 
@@ -76,7 +76,7 @@ fn initial_snapshot(marker: Marker) -> Option<(Lsn, Marker)> {
 
 /// A partition the snapshot wrote to, with the offsets of its first
 /// record and past its last.
-pub type Written = ((String, i32), (i64, i64));
+type Written = ((String, i32), (i64, i64));
 
 /// The partitions of `topics` the snapshot wrote to.
 fn written(marker: &Marker, topics: &[String]) -> Vec<Written> {
@@ -99,7 +99,7 @@ fn written(marker: &Marker, topics: &[String]) -> Vec<Written> {
 /// Whether `committed` is past the end of every partition the snapshot
 /// wrote to. (Under exactly-once the end is past its records, open
 /// transaction included, and a consumer commits past the last one.)
-pub fn applied(
+fn applied(
     written: &[Written],
     committed: &std::collections::BTreeMap<(String, i32), i64>,
 ) -> bool {
@@ -110,7 +110,7 @@ pub fn applied(
 
 /// Why the rows below the floor must stay, if they must.
 #[derive(Debug, PartialEq)]
-pub enum HoldOff {
+enum HoldOff {
     /// Retention deleted some of the snapshot's records: the group may
     /// have jumped past them.
     Expired { topic: String, partition: i32 },
@@ -122,7 +122,7 @@ pub enum HoldOff {
 
 /// The checks before a sweep: every record of the snapshot still there
 /// or applied, and every row it read accounted for.
-pub fn hold_off(
+fn hold_off(
     written: &[Written],
     log_starts: &std::collections::BTreeMap<(String, i32), i64>,
     read: u64,
@@ -187,7 +187,7 @@ pub async fn keep(
 /// One round: sweeps each mirror the slot's latest initial snapshot has
 /// been applied to. A mirror that fails is logged and the others go on;
 /// the next round tries it again.
-pub async fn round(
+async fn round(
     db: &mut Client,
     config: &Config,
     group: &str,
@@ -253,7 +253,10 @@ async fn mirror_round(
     lsn: Lsn,
     read: u64,
 ) -> Result<Option<Held>, MaterializeError> {
-    if watermark(db, m).await?.is_some_and(|w| w >= floor(lsn)) {
+    if mirror::truncated_at(db, m)
+        .await?
+        .is_some_and(|w| w >= floor(lsn))
+    {
         return Ok(None);
     }
     let topics = config.topics_of(&m.source);
@@ -289,16 +292,6 @@ async fn mirror_round(
             "rows the new snapshot did not read (deleted at the source while nothing was captured) removed");
     }
     Ok(None)
-}
-
-async fn watermark(db: &Client, m: &Mirror) -> Result<Option<Position>, tokio_postgres::Error> {
-    Ok(db
-        .query_opt(
-            "SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1",
-            &[&m.qualified],
-        )
-        .await?
-        .map(|r| (r.get(0), r.get(1))))
 }
 
 /// The snapshot's rows accounted for: mirror rows at or after it, and

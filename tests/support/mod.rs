@@ -395,54 +395,50 @@ impl ScratchCluster {
         text.push('\n');
         text.push_str(&old);
         std::fs::write(&hba_path, text).expect("write pg_hba.conf");
-        let mut reload = as_postgres(&self.bindir.join("pg_ctl"));
-        reload.arg("-D").arg(&data).arg("reload");
         // A signal: the caller waits for what it changed to show.
-        run_ok(reload, "reload scratch cluster");
+        run_ok(self.pg_ctl(&["reload"]), "reload scratch cluster");
+    }
+
+    /// `pg_ctl -D <data> ARGS`, with the server log for what starts it.
+    fn pg_ctl(&self, args: &[&str]) -> Command {
+        let mut c = as_postgres(&self.bindir.join("pg_ctl"));
+        c.arg("-D").arg(self.dir.join("data"));
+        if args.iter().any(|a| matches!(*a, "start" | "restart")) {
+            c.arg("-l").arg(self.dir.join("log"));
+        }
+        c.args(args);
+        c
     }
 
     /// `pg_ctl stop -m fast`: the cluster is down until [`Self::start_again`].
     pub fn stop(&self) {
-        let mut stop = as_postgres(&self.bindir.join("pg_ctl"));
-        stop.arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-m", "fast", "-w", "-t", "60", "stop"]);
-        run_ok(stop, "stop scratch cluster");
+        run_ok(
+            self.pg_ctl(&["-m", "fast", "-w", "-t", "60", "stop"]),
+            "stop scratch cluster",
+        );
     }
 
     /// Starts the cluster (again, after [`Self::stop`]), on its port.
     pub fn start_again(&self) {
-        let mut start = as_postgres(&self.bindir.join("pg_ctl"));
-        start
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .arg("-l")
-            .arg(self.dir.join("log"))
-            .args(["-w", "-t", "60", "start"]);
-        run_ok(start, "start scratch cluster");
+        run_ok(
+            self.pg_ctl(&["-w", "-t", "60", "start"]),
+            "start scratch cluster",
+        );
     }
 
     /// `pg_ctl restart -m fast`: every connection is closed, the cluster
     /// comes back on the same port with its data and slots.
     pub fn restart(&self) {
-        let mut restart = as_postgres(&self.bindir.join("pg_ctl"));
-        restart
-            .arg("-D")
-            .arg(self.dir.join("data"))
-            .arg("-l")
-            .arg(self.dir.join("log"))
-            .args(["-m", "fast", "-w", "-t", "60", "restart"]);
-        run_ok(restart, "restart scratch cluster");
+        run_ok(
+            self.pg_ctl(&["-m", "fast", "-w", "-t", "60", "restart"]),
+            "restart scratch cluster",
+        );
     }
 }
 
 impl Drop for ScratchCluster {
     fn drop(&mut self) {
-        let mut stop = as_postgres(&self.bindir.join("pg_ctl"));
-        stop.arg("-D")
-            .arg(self.dir.join("data"))
-            .args(["-m", "immediate", "-w", "stop"]);
-        let _ = stop.output();
+        let _ = self.pg_ctl(&["-m", "immediate", "-w", "stop"]).output();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
