@@ -32,7 +32,8 @@ pub enum ViewError {
 
 /// The recompute of a view as one statement: the query's rows upserted
 /// by the view's key, a row written only where it differs from the stored
-/// one, and the affected keys the query no longer returns deleted. Against
+/// one, and the affected keys the query no longer returns deleted (only
+/// those are looked up in the view: most keys are returned). Against
 /// deleting and reinserting every affected row, an unchanged row costs no
 /// write, and a changed one is updated in place (a HOT update when no
 /// indexed column changed) instead of a dead row and new index entries.
@@ -77,8 +78,8 @@ async fn diff_statement(
     // line comment.
     let sql = format!(
         "WITH fresh ({cols}) AS ({query}\n),
-         gone AS (DELETE FROM {qualified} v WHERE v.{key} = ANY($1)
-                  AND NOT EXISTS (SELECT 1 FROM fresh f WHERE f.{key} = v.{key}))
+         gone AS (DELETE FROM {qualified} v
+                  WHERE v.{key} = ANY(ARRAY(SELECT unnest($1) EXCEPT SELECT f.{key} FROM fresh f)))
          INSERT INTO {qualified} AS v ({cols}) SELECT {cols} FROM fresh
          ON CONFLICT ({key}) {on_conflict}"
     );
