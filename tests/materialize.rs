@@ -1022,11 +1022,19 @@ async fn unchanged_toast_keeps_the_mirror_value_and_old_tombstones_are_swept() {
     };
     assert_eq!((amount.as_str(), note_len), ("2.00", 160_000));
 
-    // Two deletes leave two tombstones; one is aged past the window.
+    // Three deletes leave three tombstones; inserting a key again clears
+    // its own, and one of the other two is aged past the window.
     source
-        .batch_execute("DELETE FROM public.orders WHERE id IN (1000001, 1000002)")
+        .batch_execute("DELETE FROM public.orders WHERE id IN (1000001, 1000002, 1000003)")
         .await
         .expect("deletes");
+    wait_converged(&source, &target).await;
+    source
+        .batch_execute(
+            "INSERT INTO public.orders (id, customer_id, amount, status) VALUES (1000003, 1, 3.00, 'new')",
+        )
+        .await
+        .expect("insert again");
     wait_converged(&source, &target).await;
     let keys = |rows: Vec<tokio_postgres::Row>| -> Vec<String> {
         rows.iter().map(|r| r.get::<_, String>(0)).collect()

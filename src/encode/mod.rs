@@ -739,10 +739,25 @@ pub fn unframe(bytes: &[u8]) -> Option<(u32, &[u8])> {
 }
 
 /// Decodes an Avro datum written with `schema`.
-pub fn decode_datum(schema: &Schema, mut datum: &[u8]) -> Result<Value, EncodeError> {
-    apache_avro::reader::datum::GenericDatumReader::builder(schema)
+pub fn decode_datum(schema: &Schema, datum: &[u8]) -> Result<Value, EncodeError> {
+    read_datum(&datum_reader(schema)?, datum)
+}
+
+/// A reader of datums written with `schema`. Building one resolves the
+/// schema's named types, which costs more than decoding a small record:
+/// keep one for many datums.
+pub fn datum_reader(schema: &Schema) -> Result<DatumReader<'_>, EncodeError> {
+    DatumReader::builder(schema)
         .build()
-        .and_then(|r| r.read_value(&mut datum))
+        .map_err(|e| EncodeError::Avro(e.to_string()))
+}
+
+pub type DatumReader<'s> = apache_avro::reader::datum::GenericDatumReader<'s>;
+
+/// [`decode_datum`] through a reader made by [`datum_reader`].
+pub fn read_datum(reader: &DatumReader<'_>, mut datum: &[u8]) -> Result<Value, EncodeError> {
+    reader
+        .read_value(&mut datum)
         .map_err(|e| EncodeError::Avro(e.to_string()))
 }
 

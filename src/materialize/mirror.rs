@@ -22,7 +22,7 @@
 //! takes many rows of distinct keys as one array per column: same guard,
 //! same locks (taken in key order), one round trip.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 
 use tokio_postgres::types::ToSql;
@@ -634,15 +634,26 @@ impl SetParams {
     }
 }
 
+/// What [`stored_positions`] found.
+#[derive(Debug, Default)]
+pub struct Stored {
+    /// The newest stored position of each row's key, by index into the
+    /// rows; none for a key with no row, tombstone or truncate.
+    pub positions: HashMap<usize, Position>,
+    /// Indexes of the rows whose key has a row in the mirror.
+    pub in_mirror: HashSet<usize>,
+    /// [`Mirror::key_text`]s with a tombstone, which [`upsert_many`] clears.
+    pub tombstoned: HashSet<String>,
+}
+
 /// [`stored_position`] of many keys in two statements (the key locks,
-/// then the look-up): the newest stored position of each row's key, by
-/// index into `rows`.
+/// then the look-up).
 pub async fn stored_positions(
     tx: &Transaction<'_>,
     statements: &mut Statements,
     mirror: &Mirror,
     rows: &[SetRow<'_>],
-) -> Result<HashMap<usize, Position>, tokio_postgres::Error> {
+) -> Result<Stored, tokio_postgres::Error> {
     let key_texts: Vec<String> = rows.iter().map(|r| mirror.key_text(r.key)).collect();
     if !mirror.private {
         // In one order, so that two instances locking overlapping sets
@@ -659,13 +670,13 @@ pub async fn stored_positions(
     let sql = statements.text(format!("stored many {}", mirror.qualified), || {
         let (arrays, aliases, on) = key_unnest(mirror, 3);
         format!(
-            "SELECT u.i, p.lsn, p.seq
+            "SELECT u.i, p.lsn, p.seq, p.kind
              FROM unnest($2::text[], {arrays}) WITH ORDINALITY AS u(kt, {aliases}, i),
              LATERAL (
-               SELECT m._pgcdc_commit_lsn, m._pgcdc_seq FROM {t} m WHERE {on}
-               UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = u.kt
-               UNION ALL SELECT commit_lsn, seq FROM pgcdc_state.truncations WHERE mirror = $1
-             ) p(lsn, seq)",
+               SELECT m._pgcdc_commit_lsn, m._pgcdc_seq, 'm' FROM {t} m WHERE {on}
+               UNION ALL SELECT commit_lsn, seq, 't' FROM pgcdc_state.tombstones WHERE mirror = $1 AND key = u.kt
+               UNION ALL SELECT commit_lsn, seq, 'r' FROM pgcdc_state.truncations WHERE mirror = $1
+             ) p(lsn, seq, kind)",
             t = mirror.qualified
         )
     });
@@ -673,12 +684,21 @@ pub async fn stored_positions(
     let keys = key_arrays(mirror, rows);
     let mut params: Vec<&(dyn ToSql + Sync)> = vec![&mirror.qualified, &key_texts];
     params.extend(keys.iter().map(|k| k as &(dyn ToSql + Sync)));
-    let mut out: HashMap<usize, Position> = HashMap::new();
+    let mut out = Stored::default();
     for r in tx.query(&sql, &params).await? {
         let i = r.get::<_, i64>(0) as usize - 1;
         let p = (r.get::<_, i64>(1), r.get::<_, i64>(2));
-        let e = out.entry(i).or_insert(p);
+        let e = out.positions.entry(i).or_insert(p);
         *e = (*e).max(p);
+        match r.get::<_, &str>(3) {
+            "m" => {
+                out.in_mirror.insert(i);
+            }
+            "t" => {
+                out.tombstoned.insert(key_texts[i].clone());
+            }
+            _ => {}
+        }
     }
     Ok(out)
 }
@@ -838,12 +858,16 @@ fn copy_text(out: &mut Vec<u8>, value: &str) {
 }
 
 /// [`upsert`] of many rows (all with the same unchanged cells) in one
-/// statement; call after [`stored_positions`].
+/// statement; call after [`stored_positions`] in the same transaction,
+/// with the tombstoned keys it found. Only their tombstones are looked up
+/// to be cleared: the transaction's snapshot shows no other, and under the
+/// key locks no other session adds one meanwhile.
 pub async fn upsert_many(
     tx: &Transaction<'_>,
     statements: &mut Statements,
     mirror: &Mirror,
     rows: &[SetRow<'_>],
+    tombstoned: &HashSet<String>,
 ) -> Result<(), tokio_postgres::Error> {
     let Some(first) = rows.first().and_then(|r| r.cells) else {
         return Ok(());
@@ -865,7 +889,9 @@ pub async fn upsert_many(
         )
     });
     let sql = statements.prepare(tx, &sql).await?;
-    let params = SetParams::new(mirror, rows, cell_arrays(mirror, rows));
+    let mut params = SetParams::new(mirror, rows, cell_arrays(mirror, rows));
+    // `$2` serves only the clearing of tombstones.
+    params.key_texts.retain(|k| tombstoned.contains(k));
     tx.execute(&sql, &params.refs(mirror)).await?;
     Ok(())
 }

@@ -72,7 +72,7 @@ use tokio_postgres::{Client, GenericClient};
 
 use crate::config::Config;
 use crate::dlq::{classify, Fault, Verdict};
-use crate::encode::{decode_datum, unframe};
+use crate::encode::{datum_reader, decode_datum, read_datum, unframe};
 use crate::observe;
 use crate::registry::client::{ClientError, RegistryClient};
 use crate::sink;
@@ -161,6 +161,9 @@ pub fn group_id(config: &Config, target: &crate::config::TargetConfig) -> String
 pub fn dlq_topic(config: &Config) -> String {
     format!("{}.dlq", config.kafka.topic_prefix)
 }
+
+/// Datum readers by writer schema id (see [`datum_reader`]).
+type Readers<'s> = HashMap<u32, crate::encode::DatumReader<'s>>;
 
 /// A decoded writer schema.
 struct Writer {
@@ -574,6 +577,17 @@ impl State {
 
     /// Decodes a changelog record into a change for `mirror`.
     async fn decode(&mut self, topic: &str, value: &[u8]) -> Result<Change, Failure> {
+        self.decode_with(topic, value, &Readers::new()).await
+    }
+
+    /// [`State::decode`], through `readers` where one has the record's
+    /// writer schema.
+    async fn decode_with(
+        &mut self,
+        topic: &str,
+        value: &[u8],
+        readers: &Readers<'_>,
+    ) -> Result<Change, Failure> {
         let bad = |error: String| Failure {
             class: quarantine_class(Fault::Body),
             error,
@@ -589,7 +603,11 @@ impl State {
             position: None,
         })?;
         let w = self.writer(id).await?;
-        let envelope = decode_datum(&w.schema, datum).map_err(|e| bad(e.to_string()))?;
+        let envelope = match readers.get(&id) {
+            Some(r) => read_datum(r, datum),
+            None => decode_datum(&w.schema, datum),
+        }
+        .map_err(|e| bad(e.to_string()))?;
         let Value::Record(fields) = &envelope else {
             return Err(bad("the value is not a record".into()));
         };
@@ -1569,17 +1587,31 @@ async fn decode_batch(
     let mut changes: Vec<(usize, Change)> = Vec::new();
     // Every writer's new columns first: a change decoded before a later
     // one grew the mirror would have fewer cells than the mirror columns.
+    let mut seen: Vec<(u32, &str)> = Vec::new();
+    let mut writers: Vec<(u32, Arc<Writer>)> = Vec::new();
     for m in batch {
         if let Some((id, _)) = m.payload().and_then(unframe) {
+            if seen.contains(&(id, m.topic())) {
+                continue;
+            }
+            seen.push((id, m.topic()));
             if let Ok(w) = state.writer(id).await {
                 state.evolve(db, m.topic(), &w).await?;
+                if !writers.iter().any(|(i, _)| *i == id) {
+                    writers.push((id, w));
+                }
             }
         }
     }
+    // One reader per writer schema for the whole batch.
+    let readers: Readers<'_> = writers
+        .iter()
+        .filter_map(|(id, w)| Some((*id, datum_reader(&w.schema).ok()?)))
+        .collect();
     for (i, m) in batch.iter().enumerate() {
         // Tombstones only serve compaction; the delete event came first.
         let Some(value) = m.payload() else { continue };
-        match state.decode(m.topic(), value).await {
+        match state.decode_with(m.topic(), value, &readers).await {
             Ok(c) => changes.push((i, c)),
             Err(f) if f.class == REGISTRY_UNAVAILABLE => {
                 return Err(MaterializeError::RegistryUnavailable(f.error));
@@ -2157,7 +2189,7 @@ async fn apply_window(
         }
     }
     // Per mirror: the changes to write, and the inserts already written.
-    let mut writes: Vec<(&Mirror, Vec<&Change>)> = Vec::new();
+    let mut writes: Vec<Writes<'_>> = Vec::new();
     let mut inserted: Vec<(&Mirror, Vec<&Change>)> = Vec::new();
     for (m, cs) in groups {
         // Rows of keys the Bloom filter never saw: inserted by one guarded
@@ -2194,21 +2226,45 @@ async fn apply_window(
         }
         let rows: Vec<_> = rest.iter().map(row).collect();
         let stored = mirror::stored_positions(tx, statements, m, &rows).await?;
-        let mut new = Vec::new();
+        let (mut new, mut in_mirror) = (Vec::new(), Vec::new());
         for (j, c) in rest.into_iter().enumerate() {
-            if stored.get(&j).is_some_and(|p| *p >= c.position) {
+            if stored.positions.get(&j).is_some_and(|p| *p >= c.position) {
                 done.duplicate_of(m, 1);
-            } else {
-                new.push(c);
+                continue;
+            }
+            new.push(c);
+            if stored.in_mirror.contains(&j) {
+                in_mirror.push(c);
             }
         }
-        writes.push((m, new));
+        writes.push(Writes {
+            m,
+            changes: new,
+            in_mirror,
+            tombstoned: stored.tombstoned,
+        });
     }
-    // View keys of the rows as they were.
-    for (m, cs) in &writes {
-        view_keys_many(tx, statements, views, m, cs, affected).await?;
+    // View keys of the rows as they were (a key with no row has none
+    // under a column mapping).
+    for w in &writes {
+        view_keys_many(
+            tx,
+            statements,
+            views,
+            w.m,
+            &w.changes,
+            &w.in_mirror,
+            affected,
+        )
+        .await?;
     }
-    for (m, cs) in &writes {
+    for Writes {
+        m,
+        changes: cs,
+        tombstoned,
+        ..
+    } in &writes
+    {
         let (upserts, deletes): (Vec<&Change>, Vec<&Change>) =
             cs.iter().partition(|c| c.cells.is_some());
         // One statement per set of unchanged (TOAST) columns.
@@ -2221,7 +2277,7 @@ async fn apply_window(
             }
         }
         for (_, rows) in &by_mask {
-            mirror::upsert_many(tx, statements, m, rows).await?;
+            mirror::upsert_many(tx, statements, m, rows, tombstoned).await?;
         }
         if !deletes.is_empty() {
             let rows: Vec<_> = deletes.iter().map(row).collect();
@@ -2229,10 +2285,14 @@ async fn apply_window(
         }
     }
     // And as they are now.
-    for (m, cs) in writes.iter().chain(&inserted) {
-        view_keys_many(tx, statements, views, m, cs, affected).await?;
+    let written = writes.iter().map(|w| (w.m, &w.changes));
+    for (m, cs) in written
+        .clone()
+        .chain(inserted.iter().map(|(m, cs)| (*m, cs)))
+    {
+        view_keys_many(tx, statements, views, m, cs, cs, affected).await?;
     }
-    for (m, cs) in &writes {
+    for (m, cs) in written {
         done.applied_to(m, cs.len() as u64);
         done.committed
             .extend(cs.iter().map(|c| (c.cache_key.clone(), c.position)));
@@ -2246,25 +2306,44 @@ async fn apply_window(
     Ok(())
 }
 
-/// [`view_keys`] of many rows of one mirror.
+/// [`view_keys`] of many rows of one mirror. A column mapping reads the
+/// keys of `in_mirror` only (the rows known to be in the mirror, or all of
+/// `changes`): a key with no row maps to no view key. A query mapping reads
+/// every change's, since its query may read other mirrors.
 async fn view_keys_many(
     tx: &tokio_postgres::Transaction<'_>,
     statements: &mut Statements,
     views: &[View],
     m: &Mirror,
     changes: &[&Change],
+    in_mirror: &[&Change],
     affected: &mut [BTreeSet<String>],
 ) -> Result<(), tokio_postgres::Error> {
     let keys: Vec<&[String]> = changes.iter().map(|c| c.key.as_slice()).collect();
+    let stored: Vec<&[String]> = in_mirror.iter().map(|c| c.key.as_slice()).collect();
     for (view, out) in views.iter().zip(affected.iter_mut()) {
         for (t, mapping) in &view.sources {
             if t == &m.source {
-                view.keys_of_many(tx, statements, mapping, m, &keys, out)
+                let keys = match mapping {
+                    view::Mapping::Column(_) => &stored,
+                    view::Mapping::Query { .. } => &keys,
+                };
+                view.keys_of_many(tx, statements, mapping, m, keys, out)
                     .await?;
             }
         }
     }
     Ok(())
+}
+
+/// One mirror's share of a window ([`apply_window`]): the changes to write
+/// (past the position guard), those of them whose key has a row in the
+/// mirror, and the keys with a tombstone.
+struct Writes<'a> {
+    m: &'a Mirror,
+    changes: Vec<&'a Change>,
+    in_mirror: Vec<&'a Change>,
+    tombstoned: HashSet<String>,
 }
 
 /// The dead-letter topic and the producer that writes to it (`None` for
