@@ -137,7 +137,8 @@ pub struct HotKeysConfig {
     #[serde(default = "default_hot_report_per_sec")]
     pub report_per_sec: f64,
     /// Show reported keys as a fingerprint (`#` and 16 hex digits)
-    /// instead of their primary key values.
+    /// instead of their primary key values, and tenants likewise on the
+    /// materializer's per-tenant metrics.
     #[serde(default)]
     pub redact_keys: bool,
 }

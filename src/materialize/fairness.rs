@@ -83,6 +83,8 @@ impl Bucket {
 /// straight to the batch, and only the commit points are kept.
 pub struct Fairness {
     quota: Option<TenantQuotaConfig>,
+    /// Tenant labels as fingerprints (`hot_keys.redact_keys`).
+    redact: bool,
     buckets: HashMap<Vec<u8>, Bucket>,
     waiting: HashMap<Vec<u8>, VecDeque<OwnedMessage>>,
     /// Tenants with waiting records, in round-robin order.
@@ -118,14 +120,21 @@ pub fn tenant_of(m: &OwnedMessage) -> Option<&[u8]> {
         .and_then(|h| h.value)
 }
 
-fn label(tenant: &[u8]) -> String {
-    String::from_utf8_lossy(tenant).into_owned()
+/// A tenant as the metrics show it: its text, or under
+/// `hot_keys.redact_keys` a fingerprint (as hot keys are shown).
+fn label(tenant: &[u8], redact: bool) -> String {
+    if redact {
+        crate::partitioning::fingerprint(crate::partitioning::key_hash(tenant))
+    } else {
+        String::from_utf8_lossy(tenant).into_owned()
+    }
 }
 
 impl Fairness {
-    pub fn new(quota: Option<TenantQuotaConfig>) -> Fairness {
+    pub fn new(quota: Option<TenantQuotaConfig>, redact: bool) -> Fairness {
         Fairness {
             quota,
+            redact,
             buckets: HashMap::new(),
             waiting: HashMap::new(),
             turn: VecDeque::new(),
@@ -162,7 +171,7 @@ impl Fairness {
             let rate = q
                 .and_then(|q| {
                     q.tenants
-                        .get(&label(tenant))
+                        .get(String::from_utf8_lossy(tenant).as_ref())
                         .copied()
                         .or(Some(q.rate_per_sec))
                 })
@@ -308,6 +317,8 @@ impl Fairness {
     /// newest applied record; for each with waiting records, the age of
     /// the oldest of them if greater. Also the waiting counts.
     pub fn report(&mut self, batch: &[OwnedMessage], now_ms: i64) {
+        let redact = self.redact;
+        let label = |tenant: &[u8]| label(tenant, redact);
         for (tenant, n) in self.deferred.drain() {
             metrics::counter!(observe::TENANT_DEFERRED, "tenant" => label(&tenant)).increment(n);
         }
@@ -363,18 +374,21 @@ mod tests {
     }
 
     fn quota(rate: f64, max: usize) -> Fairness {
-        Fairness::new(Some(TenantQuotaConfig {
-            rate_per_sec: rate,
-            burst: Some(2.0),
-            max_deferred: max,
-            tenants: BTreeMap::new(),
-        }))
+        Fairness::new(
+            Some(TenantQuotaConfig {
+                rate_per_sec: rate,
+                burst: Some(2.0),
+                max_deferred: max,
+                tenants: BTreeMap::new(),
+            }),
+            false,
+        )
     }
 
     fn tenants(batch: &[OwnedMessage]) -> Vec<String> {
         batch
             .iter()
-            .map(|m| label(tenant_of(m).expect("tenant")))
+            .map(|m| label(tenant_of(m).expect("tenant"), false))
             .collect()
     }
 
@@ -458,9 +472,43 @@ mod tests {
     }
 
     #[test]
+    fn under_redact_keys_the_metrics_show_tenants_as_fingerprints() {
+        let exported = |redact: bool| {
+            let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+            let handle = recorder.handle();
+            let mut f = Fairness::new(quota(0.001, 10).quota, redact);
+            let now = Instant::now();
+            // Two records of one tenant: the second waits for the bucket.
+            let batch: Vec<_> = (0..3)
+                .filter_map(|o| f.admit(record("acme-corp", 0, o), now))
+                .collect();
+            metrics::with_local_recorder(&recorder, || f.report(&batch, 2_000));
+            handle.render()
+        };
+        let print = crate::partitioning::fingerprint(crate::partitioning::key_hash(b"acme-corp"));
+        let plain = exported(false);
+        let redacted = exported(true);
+        for name in [
+            observe::TENANT_LAG,
+            observe::TENANT_WAITING,
+            observe::TENANT_DEFERRED,
+        ] {
+            assert!(
+                plain.contains(&format!("{name}{{tenant=\"acme-corp\"}}")),
+                "{plain}"
+            );
+            assert!(
+                redacted.contains(&format!("{name}{{tenant=\"{print}\"}}")),
+                "{redacted}"
+            );
+        }
+        assert!(!redacted.contains("acme"), "{redacted}");
+    }
+
+    #[test]
     fn without_a_quota_everything_goes_straight_to_the_batch() {
         let now = Instant::now();
-        let mut f = Fairness::new(None);
+        let mut f = Fairness::new(None, false);
         let batch: Vec<_> = (0..5)
             .filter_map(|o| f.admit(record("a", 0, o), now))
             .collect();

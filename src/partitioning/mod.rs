@@ -153,7 +153,7 @@ pub fn shard_of(position: Position, span: u32) -> u32 {
 }
 
 /// A key as logs show it, and metrics under `hot_keys.redact_keys`.
-fn fingerprint(hash: u64) -> String {
+pub(crate) fn fingerprint(hash: u64) -> String {
     format!("#{hash:016x}")
 }
 
