@@ -269,6 +269,16 @@ pub(crate) fn url_query_pairs(url: &str) -> Option<(usize, Vec<Pair>)> {
 /// Whether a configuration key names a secret (Postgres, librdkafka or HTTP).
 pub fn is_sensitive_key(key: &str) -> bool {
     let key = key.to_ascii_lowercase();
+    // Public material and paths that the rules below would catch.
+    const NOT_SECRET: [&str; 4] = [
+        "passfile",
+        "ssl.ca.pem",
+        "ssl.certificate.pem",
+        "sasl.oauthbearer.token.endpoint.url",
+    ];
+    if NOT_SECRET.contains(&key.as_str()) {
+        return false;
+    }
     [
         "password",
         // Redis's `pass` query parameter; librdkafka's `*.passphrase`.
@@ -386,5 +396,21 @@ mod tests {
             assert!(is_sensitive_key(k), "{k}");
         }
         assert!(!is_sensitive_key("compression.type"));
+    }
+
+    #[test]
+    fn public_material_and_paths_are_shown() {
+        for k in [
+            "passfile",
+            "ssl.ca.pem",
+            "SSL.Certificate.PEM",
+            "sasl.oauthbearer.token.endpoint.url",
+        ] {
+            assert!(!is_sensitive_key(k), "{k}");
+        }
+        // Their secret neighbours stay hidden.
+        for k in ["ssl.key.pem", "sasl.oauthbearer.client.secret", "password"] {
+            assert!(is_sensitive_key(k), "{k}");
+        }
     }
 }
