@@ -22,10 +22,10 @@
 //!  group's committed offsets ≥ the marker's end offsets? ── no ──► the next round
 //!        │ yes
 //!        ▼
-//!  every record of it still in the log, and every row it read in the ── no ──► keep them, warn
-//!  mirror at (P, 0) or later (or deleted since, with a tombstone)?          once, look again next round
-//!        │ yes
-//!        ▼
+//!  every record of it still in the log, and every row it read in the ── no ──► keep them, warn once;
+//!  mirror at (P, 0) or later (or deleted since, with a tombstone)?          rows short: look again in 2 min,
+//!        │ yes                                                              doubling to 1 h; a record gone:
+//!        ▼                                                                  never again (`pgcdc rebuild`)
 //!  BEGIN ─► view keys of the rows below (P, -1) ─► delete them, watermark (P, -1) ─► recompute ─► COMMIT
 //! ```
 //!
@@ -35,6 +35,7 @@
 //! waits.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
 
@@ -50,13 +51,52 @@ use crate::source::pgoutput::Lsn;
 /// table is recomputed instead of the removed rows' keys one by one.
 const KEYS_ONE_BY_ONE: i64 = 10_000;
 
+/// A mirror short of rows is looked at again after this long, then after
+/// twice as long each time, up to [`LAST_RECHECK`]: each look counts the
+/// mirror's rows.
+const FIRST_RECHECK: Duration = Duration::from_secs(120);
+const LAST_RECHECK: Duration = Duration::from_secs(3600);
+
+/// A mirror under a snapshot.
+type SweepId = (String, Lsn);
+
 /// What the rounds remember: mirrors swept (or found clean) per
-/// snapshot, and the ones already warned about (a held-off mirror is
-/// looked at again each round: a replayed dead letter may complete it).
+/// snapshot, mirrors held off for good (a snapshot record gone from the
+/// log never comes back), when a mirror short of rows is due again (a
+/// replayed dead letter may complete it), and the ones already warned
+/// about.
 #[derive(Debug, Default)]
 struct Sweeps {
-    settled: HashSet<(String, Lsn)>,
-    warned: HashSet<(String, Lsn)>,
+    settled: HashSet<SweepId>,
+    expired: HashSet<SweepId>,
+    later: HashMap<SweepId, (Instant, Duration)>,
+    warned: HashSet<SweepId>,
+}
+
+impl Sweeps {
+    /// Whether the round looks at `id` at `now`.
+    fn due(&self, id: &SweepId, now: Instant) -> bool {
+        !self.settled.contains(id)
+            && !self.expired.contains(id)
+            && self.later.get(id).is_none_or(|(at, _)| now >= *at)
+    }
+
+    /// Records a round that held `id` off; true the first time (warn).
+    fn held(&mut self, id: &SweepId, why: &HoldOff, now: Instant) -> bool {
+        match why {
+            HoldOff::Expired { .. } => {
+                self.expired.insert(id.clone());
+            }
+            HoldOff::Short { .. } => {
+                let wait = self
+                    .later
+                    .get(id)
+                    .map_or(FIRST_RECHECK, |(_, w)| (*w * 2).min(LAST_RECHECK));
+                self.later.insert(id.clone(), (now + wait, wait));
+            }
+        }
+        self.warned.insert(id.clone())
+    }
 }
 
 /// The floor below which a mirror row predates the snapshot at `lsn`: its
@@ -122,22 +162,22 @@ enum HoldOff {
 
 /// The checks before a sweep: every record of the snapshot still there
 /// or applied, and every row it read accounted for.
-fn hold_off(
-    written: &[Written],
-    log_starts: &std::collections::BTreeMap<(String, i32), i64>,
-    read: u64,
-    found: u64,
-) -> Option<HoldOff> {
-    if let Some(((topic, partition), _)) = written
+fn hold_off(written: &[Written], log_starts: &LogStarts, read: u64, found: u64) -> Option<HoldOff> {
+    expired(written, log_starts).or((found < read).then_some(HoldOff::Short { read, found }))
+}
+
+/// Partition → the offset its log starts at.
+type LogStarts = std::collections::BTreeMap<(String, i32), i64>;
+
+/// The first check of [`hold_off`], which needs no count of the mirror.
+fn expired(written: &[Written], log_starts: &LogStarts) -> Option<HoldOff> {
+    written
         .iter()
         .find(|(tp, (start, _))| log_starts.get(tp).is_some_and(|low| low > start))
-    {
-        return Some(HoldOff::Expired {
+        .map(|((topic, partition), _)| HoldOff::Expired {
             topic: topic.clone(),
             partition: *partition,
-        });
-    }
-    (found < read).then_some(HoldOff::Short { read, found })
+        })
 }
 
 /// Runs a [`round`] every `every`, on a target connection of its own
@@ -211,7 +251,7 @@ async fn round(
             continue;
         };
         let id = (m.qualified.clone(), lsn);
-        if sweeps.settled.contains(&id) {
+        if !sweeps.due(&id, Instant::now()) {
             continue;
         }
         match mirror_round(db, config, group, m, views, statements, &marker, lsn, read).await {
@@ -220,7 +260,7 @@ async fn round(
             }
             Ok(Some(Held::NotYet)) => {}
             Ok(Some(Held::Off(why))) => {
-                if sweeps.warned.insert(id) {
+                if sweeps.held(&id, &why, Instant::now()) {
                     tracing::warn!(mirror = %m.qualified, snapshot = %lsn, reason = ?why,
                         "rows the new snapshot did not read are kept for now: its records may not all have been applied; if this persists, run `pgcdc rebuild` for the read models over the table");
                 }
@@ -280,6 +320,10 @@ async fn mirror_round(
                 .map(move |(p, (low, _))| ((t.clone(), p), low))
         })
         .collect();
+    // Before counting the mirror, which a gone record makes pointless.
+    if let Some(why) = expired(&written, &log_starts) {
+        return Ok(Some(Held::Off(why)));
+    }
     let found = found(db, m, lsn).await?;
     if let Some(why) = hold_off(&written, &log_starts, read, found) {
         return Ok(Some(Held::Off(why)));
@@ -433,6 +477,40 @@ mod tests {
         );
         // A table the snapshot found empty: everything below the floor goes.
         assert_eq!(hold_off(&[], &BTreeMap::new(), 0, 0), None);
+    }
+
+    #[test]
+    fn a_mirror_short_of_rows_is_looked_at_less_and_less_and_one_with_records_gone_never_again() {
+        let mut s = Sweeps::default();
+        let short = ("mirror.a".to_string(), Lsn(1));
+        let gone = ("mirror.b".to_string(), Lsn(1));
+        let t0 = Instant::now();
+        assert!(s.due(&short, t0) && s.due(&gone, t0));
+        let why = HoldOff::Short { read: 2, found: 1 };
+        // Warned once; due again after 2, 4, 8, ... minutes, at most an hour.
+        assert!(s.held(&short, &why, t0));
+        assert!(!s.due(&short, t0 + Duration::from_secs(119)));
+        assert!(s.due(&short, t0 + Duration::from_secs(120)));
+        let mut at = t0;
+        let mut waits = Vec::new();
+        for _ in 0..7 {
+            assert!(!s.held(&short, &why, at));
+            let (next, wait) = s.later[&short];
+            waits.push(wait.as_secs());
+            at = next;
+        }
+        assert_eq!(waits, [240, 480, 960, 1920, 3600, 3600, 3600]);
+        let expired = HoldOff::Expired {
+            topic: "t".into(),
+            partition: 0,
+        };
+        assert!(s.held(&gone, &expired, t0));
+        assert!(!s.due(&gone, t0 + Duration::from_secs(365 * 86_400)));
+        // Another snapshot of the same mirror starts afresh.
+        assert!(s.due(&("mirror.b".to_string(), Lsn(2)), t0));
+        // A swept mirror is not looked at again.
+        s.settled.insert(short.clone());
+        assert!(!s.due(&short, at + LAST_RECHECK));
     }
 
     #[test]
