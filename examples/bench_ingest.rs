@@ -36,7 +36,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -176,7 +175,7 @@ type Sample = (Option<Box<[u8]>>, Option<Box<[u8]>>);
 /// Every message of `topics`, partition after partition, up to each
 /// partition's high watermark as it is now.
 fn read_topics(brokers: &str, topics: &[String]) -> Vec<Sample> {
-    let consumer: BaseConsumer = ClientConfig::new()
+    let consumer: BaseConsumer<pgcdc::sink::Quiet> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", "bench_ingest_replay")
         .set("enable.auto.commit", "false")
@@ -237,7 +236,7 @@ fn quantile(sorted: &[u64], q: f64) -> f64 {
 async fn main() {
     let args = parse_args();
     let (brokers, topic) = (&args.brokers, &args.topic);
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+    let admin: AdminClient<pgcdc::sink::Quiet> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .client()
         .unwrap_or_else(|e| panic!("admin client: {e}"));

@@ -17,7 +17,6 @@ use std::fmt;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-use rdkafka::client::DefaultClientContext;
 use tokio_postgres::Client;
 
 use crate::config::{split_table, Config};
@@ -705,7 +704,7 @@ async fn check_slot(
 
 async fn check_kafka(config: &Config, r: &mut Report) {
     let k = &config.kafka;
-    let admin: AdminClient<DefaultClientContext> = match sink::client_config(k).client() {
+    let admin: AdminClient<sink::Quiet> = match sink::client_config(k).client() {
         Ok(a) => a,
         Err(e) => {
             r.fail(

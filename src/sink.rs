@@ -38,7 +38,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -69,7 +68,11 @@ pub fn client_config(kafka: &KafkaConfig) -> ClientConfig {
 /// blanked out of the error (clippy's `disallowed-methods` forbids the
 /// direct calls).
 pub trait CreateClient {
-    fn client<T: rdkafka::config::FromClientConfig>(&self) -> rdkafka::error::KafkaResult<T>;
+    /// A client with the [`Quiet`] context: librdkafka's logs with their
+    /// repeats folded, short-lived clients' too.
+    fn client<T: rdkafka::config::FromClientConfigAndContext<Quiet>>(
+        &self,
+    ) -> rdkafka::error::KafkaResult<T>;
     fn client_with<C, T>(&self, context: C) -> rdkafka::error::KafkaResult<T>
     where
         C: rdkafka::ClientContext,
@@ -77,9 +80,10 @@ pub trait CreateClient {
 }
 
 impl CreateClient for ClientConfig {
-    fn client<T: rdkafka::config::FromClientConfig>(&self) -> rdkafka::error::KafkaResult<T> {
-        #[allow(clippy::disallowed_methods)]
-        self.create().map_err(without_value)
+    fn client<T: rdkafka::config::FromClientConfigAndContext<Quiet>>(
+        &self,
+    ) -> rdkafka::error::KafkaResult<T> {
+        self.client_with(Quiet)
     }
 
     fn client_with<C, T>(&self, context: C) -> rdkafka::error::KafkaResult<T>
@@ -413,8 +417,7 @@ pub async fn ensure_event_topics(kafka: &KafkaConfig, topics: &[String]) -> Resu
 /// other). A retention the broker reports is only warned about.
 pub async fn check_dlq_topic(kafka: &KafkaConfig, topic: &str) -> Result<(), String> {
     use rdkafka::admin::ResourceSpecifier;
-    let admin: AdminClient<DefaultClientContext> =
-        client_config(kafka).client().map_err(|e| e.to_string())?;
+    let admin: AdminClient<Quiet> = client_config(kafka).client().map_err(|e| e.to_string())?;
     let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
     let results = admin
         .describe_configs([&ResourceSpecifier::Topic(topic)], &opts)
@@ -441,10 +444,10 @@ async fn create_missing(
     topics: &[String],
     extra: &[(&str, &str)],
 ) -> Result<(), KafkaError> {
-    let admin: AdminClient<DefaultClientContext> = client_config(kafka).client()?;
+    let admin: AdminClient<Quiet> = client_config(kafka).client()?;
     let missing: Vec<String> = {
         let wanted = topics.to_vec();
-        let probe: BaseConsumer = client_config(kafka).client()?;
+        let probe: BaseConsumer<Quiet> = client_config(kafka).client()?;
         let brokers = kafka.brokers.clone();
         blocking(move || {
             let md = cluster_metadata(&probe, &brokers)?;
@@ -512,7 +515,7 @@ pub async fn group_committed(
     for (t, p) in partitions {
         tpl.add_partition(&t, p);
     }
-    let consumer: BaseConsumer = client_config(kafka).set("group.id", group).client()?;
+    let consumer: BaseConsumer<Quiet> = client_config(kafka).set("group.id", group).client()?;
     let done = blocking(move || consumer.committed_offsets(tpl, Duration::from_secs(10))).await?;
     Ok(done
         .elements()
@@ -532,7 +535,7 @@ pub async fn partition_counts(
     if topics.is_empty() {
         return Ok(Default::default());
     }
-    let probe: BaseConsumer = client_config(kafka).client()?;
+    let probe: BaseConsumer<Quiet> = client_config(kafka).client()?;
     let wanted = topics.to_vec();
     let brokers = kafka.brokers.clone();
     blocking(move || {
@@ -574,7 +577,7 @@ pub async fn watermarks_as(
 {
     let (kafka, topics) = (kafka.clone(), topics.to_vec());
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = client_config(&kafka)
+        let consumer: BaseConsumer<Quiet> = client_config(&kafka)
             .set(
                 "isolation.level",
                 match isolation {
@@ -634,7 +637,7 @@ pub async fn read_state_topic(
 ) -> Result<Vec<(Option<Vec<u8>>, Option<Vec<u8>>)>, String> {
     let (kafka, topic) = (kafka.clone(), topic.to_string());
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = client_config(&kafka)
+        let consumer: BaseConsumer<Quiet> = client_config(&kafka)
             .set("group.id", "pgcdc-state-reader")
             .set("enable.auto.commit", "false")
             .set("isolation.level", "read_committed")
@@ -1012,14 +1015,23 @@ macro_rules! quiet_client_context {
 }
 pub(crate) use quiet_client_context;
 
-/// The context of pgcdc's other long-lived consumers (projections, `pgcdc
-/// tail`, rebuilds): librdkafka's logs with their repeats folded.
+/// The context of pgcdc's other Kafka clients (projections, `pgcdc tail`,
+/// rebuilds, and every short-lived admin client and probe through
+/// [`CreateClient::client`]): librdkafka's logs with their repeats folded.
 #[derive(Debug)]
 pub struct Quiet;
 
 quiet_client_context!(Quiet);
 
 impl rdkafka::consumer::ConsumerContext for Quiet {}
+
+/// For producers whose sends are awaited one by one (a `FutureProducer`
+/// wraps its own context) or whose reports nobody reads.
+impl ProducerContext for Quiet {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, _: &DeliveryResult<'_>, _: ()) {}
+}
 
 /// A stream consumer whose librdkafka logs fold their repeats.
 pub type QuietConsumer = rdkafka::consumer::StreamConsumer<Quiet>;
@@ -1412,7 +1424,7 @@ mod tests {
             cc.set("bootstrap.servers", "127.0.0.1:1").set(key, value);
             // Unsupported in this build or not: whatever librdkafka says
             // of it must not carry the value.
-            let Err(e) = cc.client::<BaseConsumer>() else {
+            let Err(e) = cc.client::<BaseConsumer<Quiet>>() else {
                 continue;
             };
             let text = format!("{e} {e:?}");
@@ -1426,7 +1438,7 @@ mod tests {
         let mut cc = ClientConfig::new();
         cc.set("linger.ms", "hunter2");
         assert!(matches!(
-            cc.client::<BaseConsumer>(),
+            cc.client::<BaseConsumer<Quiet>>(),
             Err(KafkaError::ClientConfig(..))
         ));
     }

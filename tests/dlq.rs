@@ -207,7 +207,7 @@ async fn target_up(stack: &Stack, db: &TestDb) {
 /// Produces one raw record (a test's own producer: "another path").
 async fn produce(stack: &Stack, topic: &str, key: Option<&[u8]>, value: &[u8]) {
     use rdkafka::producer::{FutureProducer, FutureRecord};
-    let producer: FutureProducer = rdkafka::ClientConfig::new()
+    let producer: FutureProducer<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
         .client()
         .expect("producer");

@@ -379,7 +379,7 @@ headers = ["type", "seq"]
 /// A topic's config value, as the broker reports it.
 async fn topic_config(stack: &Stack, topic: &str, name: &str) -> Option<String> {
     use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+    let admin: AdminClient<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
         .client()
         .expect("admin");

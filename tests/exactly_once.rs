@@ -349,7 +349,7 @@ async fn the_mock_cluster_does_not_hide_uncommitted_records() {
     use rdkafka::producer::{BaseRecord, Producer, ThreadedProducer};
     let mock = MockCluster::new(1).expect("mock");
     mock.create_topic("t", 1, 1).expect("topic");
-    let producer: ThreadedProducer<DefaultProducerContext> = rdkafka::ClientConfig::new()
+    let producer: ThreadedProducer<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", mock.bootstrap_servers())
         .set("transactional.id", "probe")
         .client()
@@ -411,7 +411,7 @@ async fn exactly_once_stops_cleanly_inside_a_source_transaction_and_replays_it()
     // end offsets tell that the replay produced every row again.)
     let produced: i64 = {
         use rdkafka::consumer::{BaseConsumer, Consumer};
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        let consumer: BaseConsumer<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", mock.bootstrap_servers())
             .client()
             .expect("consumer");

@@ -494,7 +494,7 @@ pub(crate) async fn end_offsets_at(brokers: &str, topic: &str) -> i64 {
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let (brokers, topic) = (brokers.to_string(), topic.to_string());
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        let consumer: BaseConsumer<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
             .client()
             .expect("consumer");
@@ -513,7 +513,10 @@ pub(crate) async fn end_offsets_at(brokers: &str, topic: &str) -> i64 {
 }
 
 /// A topic's partition ids, from the broker's metadata.
-fn partition_ids(consumer: &rdkafka::consumer::BaseConsumer, topic: &str) -> Vec<i32> {
+fn partition_ids(
+    consumer: &rdkafka::consumer::BaseConsumer<pgcdc::sink::Quiet>,
+    topic: &str,
+) -> Vec<i32> {
     use rdkafka::consumer::Consumer;
     let md = consumer
         .fetch_metadata(Some(topic), Duration::from_secs(10))
@@ -531,7 +534,7 @@ pub(crate) async fn committed_offsets(brokers: &str, group: &str, topic: &str) -
     use rdkafka::consumer::{BaseConsumer, Consumer};
     let (brokers, group, topic) = (brokers.to_string(), group.to_string(), topic.to_string());
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        let consumer: BaseConsumer<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
             .set("group.id", &group)
             .client()

@@ -314,7 +314,7 @@ async fn copy_subjects(stack: &Stack, from: &str, to: &str) {
 /// Produces `records` to partition 0 of `topic` in the order given.
 async fn produce_in_order(stack: &Stack, topic: &str, records: &[Record]) {
     use rdkafka::producer::{FutureProducer, FutureRecord};
-    let producer: FutureProducer = rdkafka::ClientConfig::new()
+    let producer: FutureProducer<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
         .set("enable.idempotence", "true")
         .set("linger.ms", "5")

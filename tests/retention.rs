@@ -347,8 +347,7 @@ pub(crate) async fn delete_records(
     offset: i64,
 ) {
     use rdkafka::admin::{AdminClient, AdminOptions};
-    use rdkafka::client::DefaultClientContext;
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+    let admin: AdminClient<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
         .client()
         .expect("admin");

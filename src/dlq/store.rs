@@ -395,7 +395,7 @@ fn read_topic(
     topic: &str,
     from: &BTreeMap<i32, i64>,
 ) -> Result<Vec<Record>, String> {
-    let consumer: BaseConsumer = sink::client_config(&config.kafka)
+    let consumer: BaseConsumer<sink::Quiet> = sink::client_config(&config.kafka)
         .set("group.id", format!("pgcdc-dlq-sync-{}", config.name))
         .set("enable.auto.commit", "false")
         .set("isolation.level", "read_committed")

@@ -1373,14 +1373,14 @@ async fn report_lag(
     config: Arc<Config>,
     committed: Arc<std::sync::Mutex<BTreeMap<(String, i32), i64>>>,
 ) {
-    let client: rdkafka::consumer::BaseConsumer = match sink::client_config(&config.kafka).client()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(error = %e, "no consumer lag metric: cannot create a Kafka client");
-            return;
-        }
-    };
+    let client: rdkafka::consumer::BaseConsumer<sink::Quiet> =
+        match sink::client_config(&config.kafka).client() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "no consumer lag metric: cannot create a Kafka client");
+                return;
+            }
+        };
     let client = Arc::new(client);
     loop {
         tokio::time::sleep(Duration::from_secs(5)).await;

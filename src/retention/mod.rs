@@ -27,7 +27,6 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::{Message, Offset, TopicPartitionList};
 use serde::Serialize;
@@ -370,7 +369,7 @@ async fn record_timestamps(
     for round in rounds {
         let k = kafka.clone();
         let found = tokio::task::spawn_blocking(move || {
-            let consumer: BaseConsumer = sink::client_config(&k)
+            let consumer: BaseConsumer<sink::Quiet> = sink::client_config(&k)
                 .set("group.id", "pgcdc-retention")
                 .set("enable.auto.commit", "false")
                 .set("isolation.level", "read_committed")
@@ -411,7 +410,7 @@ async fn topic_configs(
     kafka: &KafkaConfig,
     topics: &[String],
 ) -> Result<HashMap<String, TopicConfig>, RetentionError> {
-    let admin: AdminClient<DefaultClientContext> = sink::client_config(kafka)
+    let admin: AdminClient<sink::Quiet> = sink::client_config(kafka)
         .client()
         .map_err(|e| RetentionError::Kafka(e.to_string()))?;
     let specs: Vec<ResourceSpecifier<'_>> =

@@ -543,8 +543,7 @@ impl Drop for RegistryProcess {
 /// Creates a topic on the stack's broker with the given configs.
 pub async fn create_topic(stack: &Stack, name: &str, configs: &[(&str, &str)]) {
     use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+    let admin: AdminClient<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", &stack.brokers)
         .client()
         .expect("admin client");
@@ -653,7 +652,7 @@ pub async fn read_topic_at(
     let brokers = brokers.to_string();
     let topic = topic.to_string();
     tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        let consumer: BaseConsumer<pgcdc::sink::Quiet> = rdkafka::ClientConfig::new()
             .set("bootstrap.servers", &brokers)
             .set("group.id", unique("reader"))
             .set("enable.auto.commit", "false")
