@@ -318,9 +318,9 @@ impl Fairness {
     /// the oldest of them if greater. Also the waiting counts.
     pub fn report(&mut self, batch: &[OwnedMessage], now_ms: i64) {
         let redact = self.redact;
-        let label = |tenant: &[u8]| label(tenant, redact);
+        let shown = |tenant: &[u8]| label(tenant, redact);
         for (tenant, n) in self.deferred.drain() {
-            metrics::counter!(observe::TENANT_DEFERRED, "tenant" => label(&tenant)).increment(n);
+            metrics::counter!(observe::TENANT_DEFERRED, "tenant" => shown(&tenant)).increment(n);
         }
         let mut lag: HashMap<&[u8], i64> = HashMap::new();
         for m in batch {
@@ -336,16 +336,16 @@ impl Fairness {
                 let e = lag.entry(tenant).or_insert(0);
                 *e = (*e).max((now_ms - at).max(0));
             }
-            metrics::gauge!(observe::TENANT_WAITING, "tenant" => label(tenant))
+            metrics::gauge!(observe::TENANT_WAITING, "tenant" => shown(tenant))
                 .set(queue.len() as f64);
         }
         // Tenants whose last waiting record left since the last report.
         for tenant in self.shown.iter().filter(|t| !self.waiting.contains_key(*t)) {
-            metrics::gauge!(observe::TENANT_WAITING, "tenant" => label(tenant)).set(0.0);
+            metrics::gauge!(observe::TENANT_WAITING, "tenant" => shown(tenant)).set(0.0);
         }
         self.shown = self.waiting.keys().cloned().collect();
         for (tenant, ms) in lag {
-            metrics::gauge!(observe::TENANT_LAG, "tenant" => label(tenant)).set(ms as f64 / 1e3);
+            metrics::gauge!(observe::TENANT_LAG, "tenant" => shown(tenant)).set(ms as f64 / 1e3);
         }
     }
 }

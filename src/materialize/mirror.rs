@@ -925,8 +925,6 @@ pub async fn delete_many(
     Ok(())
 }
 
-/// Empties a mirror and records the truncate's position, unless a newer
-/// truncate is recorded.
 /// The mirror's truncate watermark: rows and changes older than it are
 /// gone for good.
 pub async fn truncated_at(
@@ -942,6 +940,8 @@ pub async fn truncated_at(
         .map(|r| (r.get(0), r.get(1))))
 }
 
+/// Empties a mirror and records the truncate's position, unless a newer
+/// truncate is recorded.
 pub async fn truncate(
     tx: &Transaction<'_>,
     mirror: &Mirror,

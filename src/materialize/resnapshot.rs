@@ -160,16 +160,11 @@ enum HoldOff {
     Short { read: u64, found: u64 },
 }
 
-/// The checks before a sweep: every record of the snapshot still there
-/// or applied, and every row it read accounted for.
-fn hold_off(written: &[Written], log_starts: &LogStarts, read: u64, found: u64) -> Option<HoldOff> {
-    expired(written, log_starts).or((found < read).then_some(HoldOff::Short { read, found }))
-}
-
 /// Partition → the offset its log starts at.
 type LogStarts = std::collections::BTreeMap<(String, i32), i64>;
 
-/// The first check of [`hold_off`], which needs no count of the mirror.
+/// The first check before a sweep, which needs no count of the mirror:
+/// every record of the snapshot still in the log.
 fn expired(written: &[Written], log_starts: &LogStarts) -> Option<HoldOff> {
     written
         .iter()
@@ -178,6 +173,11 @@ fn expired(written: &[Written], log_starts: &LogStarts) -> Option<HoldOff> {
             topic: topic.clone(),
             partition: *partition,
         })
+}
+
+/// The second: every row the snapshot read accounted for.
+fn short(read: u64, found: u64) -> Option<HoldOff> {
+    (found < read).then_some(HoldOff::Short { read, found })
 }
 
 /// Runs a [`round`] every `every`, on a target connection of its own
@@ -324,8 +324,7 @@ async fn mirror_round(
     if let Some(why) = expired(&written, &log_starts) {
         return Ok(Some(Held::Off(why)));
     }
-    let found = found(db, m, lsn).await?;
-    if let Some(why) = hold_off(&written, &log_starts, read, found) {
+    if let Some(why) = short(read, found(db, m, lsn).await?) {
         return Ok(Some(Held::Off(why)));
     }
     let removed = sweep(db, m, views, statements, lsn).await?;
@@ -412,6 +411,16 @@ async fn sweep(
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    /// Both checks, in [`mirror_round`]'s order.
+    fn hold_off(
+        written: &[Written],
+        log_starts: &LogStarts,
+        read: u64,
+        found: u64,
+    ) -> Option<HoldOff> {
+        expired(written, log_starts).or_else(|| short(read, found))
+    }
 
     fn marker(start: &[(i32, i64)], end: &[(i32, i64)]) -> Marker {
         Marker {
