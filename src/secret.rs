@@ -294,6 +294,7 @@ pub fn is_sensitive_key(key: &str) -> bool {
     .iter()
     .any(|needle| key.contains(needle))
         || key == "ssl.key.location"
+        || key == "fingerprint_key"
         // `principal=... clientSecret=...` for unsecured JWTs.
         || key == "sasl.oauthbearer.config"
 }

@@ -141,6 +141,13 @@ pub struct HotKeysConfig {
     /// materializer's per-tenant metrics.
     #[serde(default)]
     pub redact_keys: bool,
+    /// A secret (16 bytes or more; `${ENV}` substitution) that keys the
+    /// fingerprints: HMAC-SHA256 instead of a plain FNV-1a hash, so that a
+    /// short or guessable key or tenant cannot be found by hashing
+    /// candidates. Every process of a pipeline needs the same one for
+    /// their fingerprints to agree.
+    #[serde(default)]
+    pub fingerprint_key: Option<Secret>,
 }
 
 impl Default for HotKeysConfig {
@@ -150,6 +157,7 @@ impl Default for HotKeysConfig {
             window_secs: default_hot_window_secs(),
             report_per_sec: default_hot_report_per_sec(),
             redact_keys: false,
+            fingerprint_key: None,
         }
     }
 }
@@ -1249,6 +1257,13 @@ impl Config {
             "hot_keys.report_per_sec",
             "must be a number greater than 0",
         );
+        if let Some(key) = &h.fingerprint_key {
+            v.check(
+                key.expose().len() >= crate::partitioning::FINGERPRINT_KEY_MIN,
+                "hot_keys.fingerprint_key",
+                "must be at least 16 bytes (a random secret: `openssl rand -hex 16` gives 32)",
+            );
+        }
         for (table, p) in &self.partitioning {
             let base = format!("partitioning.\"{table}\"");
             if !self.source.tables.contains(table) {
@@ -2576,15 +2591,35 @@ url = "http://127.0.0.1:8081"
         let text = MINIMAL.replace(
             "[registry]\nurl = \"http://127.0.0.1:8081\"",
             "[registry]\nurl = \"http://u:regpass@127.0.0.1:8081\"\nusername = \"u\"\npassword = \"regpass2\"",
-        ).replace("[kafka]", "[kafka]\nproperties = { \"sasl.password\" = \"kpass\", \"compression.type\" = \"zstd\" }");
+        ).replace("[kafka]", "[kafka]\nproperties = { \"sasl.password\" = \"kpass\", \"compression.type\" = \"zstd\" }")
+        + "\n[hot_keys]\nfingerprint_key = \"fpkey-0123456789\"\n";
         let c = load(&text, &[])?;
         let shown = c.to_redacted_toml();
-        for secret in ["hunter2", "regpass2", "kpass"] {
+        for secret in ["hunter2", "regpass2", "kpass", "fpkey"] {
             assert!(!shown.contains(secret), "{secret} leaked:\n{shown}");
         }
         assert!(shown.contains("zstd"));
         assert!(!format!("{c:?}").contains("hunter2"));
+        assert!(!format!("{c:?}").contains("fpkey"));
         Ok(())
+    }
+
+    #[test]
+    fn a_fingerprint_key_must_be_at_least_16_bytes_and_is_never_echoed() {
+        let with = |key: &str| {
+            load(
+                &format!("{MINIMAL}\n[hot_keys]\nfingerprint_key = {key}\n"),
+                &[],
+            )
+        };
+        assert!(with("\"0123456789abcdef\"").is_ok());
+        let err = with("\"short-secret\"").expect_err("refused");
+        let text = err.to_string();
+        assert_eq!(paths(err), vec!["hot_keys.fingerprint_key"]);
+        assert!(!text.contains("short-secret"), "{text}");
+        // A value of the wrong type is not shown either.
+        let err = with("123456789").expect_err("refused").to_string();
+        assert!(!err.contains("123456789"), "{err}");
     }
 
     #[test]

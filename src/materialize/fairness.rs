@@ -41,7 +41,7 @@ use rdkafka::Message;
 
 use crate::config::TenantQuotaConfig;
 use crate::observe;
-use crate::partitioning::TENANT_HEADER;
+use crate::partitioning::{Fingerprints, TENANT_HEADER};
 
 /// A partition: topic and number.
 pub type Partition = (String, i32);
@@ -84,7 +84,7 @@ impl Bucket {
 pub struct Fairness {
     quota: Option<TenantQuotaConfig>,
     /// Tenant labels as fingerprints (`hot_keys.redact_keys`).
-    redact: bool,
+    redact: Option<Fingerprints>,
     buckets: HashMap<Vec<u8>, Bucket>,
     waiting: HashMap<Vec<u8>, VecDeque<OwnedMessage>>,
     /// Tenants with waiting records, in round-robin order.
@@ -122,16 +122,16 @@ pub fn tenant_of(m: &OwnedMessage) -> Option<&[u8]> {
 
 /// A tenant as the metrics show it: its text, or under
 /// `hot_keys.redact_keys` a fingerprint (as hot keys are shown).
-fn label(tenant: &[u8], redact: bool) -> String {
-    if redact {
-        crate::partitioning::fingerprint(crate::partitioning::key_hash(tenant))
-    } else {
-        String::from_utf8_lossy(tenant).into_owned()
+fn label(tenant: &[u8], redact: Option<&Fingerprints>) -> String {
+    match redact {
+        Some(prints) => prints.of(crate::partitioning::key_hash(tenant)),
+        None => String::from_utf8_lossy(tenant).into_owned(),
     }
 }
 
 impl Fairness {
-    pub fn new(quota: Option<TenantQuotaConfig>, redact: bool) -> Fairness {
+    /// `redact`: show tenants as these fingerprints (`hot_keys.redact_keys`).
+    pub fn new(quota: Option<TenantQuotaConfig>, redact: Option<Fingerprints>) -> Fairness {
         Fairness {
             quota,
             redact,
@@ -317,7 +317,7 @@ impl Fairness {
     /// newest applied record; for each with waiting records, the age of
     /// the oldest of them if greater. Also the waiting counts.
     pub fn report(&mut self, batch: &[OwnedMessage], now_ms: i64) {
-        let redact = self.redact;
+        let redact = self.redact.as_ref();
         let shown = |tenant: &[u8]| label(tenant, redact);
         for (tenant, n) in self.deferred.drain() {
             metrics::counter!(observe::TENANT_DEFERRED, "tenant" => shown(&tenant)).increment(n);
@@ -381,14 +381,14 @@ mod tests {
                 max_deferred: max,
                 tenants: BTreeMap::new(),
             }),
-            false,
+            None,
         )
     }
 
     fn tenants(batch: &[OwnedMessage]) -> Vec<String> {
         batch
             .iter()
-            .map(|m| label(tenant_of(m).expect("tenant"), false))
+            .map(|m| label(tenant_of(m).expect("tenant"), None))
             .collect()
     }
 
@@ -473,10 +473,15 @@ mod tests {
 
     #[test]
     fn under_redact_keys_the_metrics_show_tenants_as_fingerprints() {
-        let exported = |redact: bool| {
+        let unkeyed = Fingerprints::new(&crate::config::HotKeysConfig::default());
+        let keyed = Fingerprints::new(&crate::config::HotKeysConfig {
+            fingerprint_key: Some(crate::secret::Secret::new("0123456789abcdef")),
+            ..Default::default()
+        });
+        let exported = |redact: Option<&Fingerprints>| {
             let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
             let handle = recorder.handle();
-            let mut f = Fairness::new(quota(0.001, 10).quota, redact);
+            let mut f = Fairness::new(quota(0.001, 10).quota, redact.cloned());
             let now = Instant::now();
             // Two records of one tenant: the second waits for the bucket.
             let batch: Vec<_> = (0..3)
@@ -485,9 +490,12 @@ mod tests {
             metrics::with_local_recorder(&recorder, || f.report(&batch, 2_000));
             handle.render()
         };
-        let print = crate::partitioning::fingerprint(crate::partitioning::key_hash(b"acme-corp"));
-        let plain = exported(false);
-        let redacted = exported(true);
+        let hash = crate::partitioning::key_hash(b"acme-corp");
+        let (print, keyed_print) = (unkeyed.of(hash), keyed.of(hash));
+        assert_ne!(print, keyed_print);
+        let plain = exported(None);
+        let redacted = exported(Some(&unkeyed));
+        let keyed_redacted = exported(Some(&keyed));
         for name in [
             observe::TENANT_LAG,
             observe::TENANT_WAITING,
@@ -501,6 +509,10 @@ mod tests {
                 redacted.contains(&format!("{name}{{tenant=\"{print}\"}}")),
                 "{redacted}"
             );
+            assert!(
+                keyed_redacted.contains(&format!("{name}{{tenant=\"{keyed_print}\"}}")),
+                "{keyed_redacted}"
+            );
         }
         assert!(!redacted.contains("acme"), "{redacted}");
     }
@@ -508,7 +520,7 @@ mod tests {
     #[test]
     fn without_a_quota_everything_goes_straight_to_the_batch() {
         let now = Instant::now();
-        let mut f = Fairness::new(None, false);
+        let mut f = Fairness::new(None, None);
         let batch: Vec<_> = (0..5)
             .filter_map(|o| f.admit(record("a", 0, o), now))
             .collect();

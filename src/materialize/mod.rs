@@ -994,8 +994,13 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         homes,
         ..State::new(registry, mirrors, views, fast)
     };
-    let mut fair =
-        fairness::Fairness::new(target.tenant_quota.clone(), config.hot_keys.redact_keys);
+    let mut fair = fairness::Fairness::new(
+        target.tenant_quota.clone(),
+        config
+            .hot_keys
+            .redact_keys
+            .then(|| crate::partitioning::Fingerprints::new(&config.hot_keys)),
+    );
     let mut analyze = Analyze::Beside {
         url: target.url.clone(),
         running: None,

@@ -120,6 +120,7 @@ pub const TENANT_HEADER: &str = "pgcdc.tenant";
 /// The connector's partitioning decisions, shared by its tasks.
 pub struct Partitioner {
     hot: HotKeysConfig,
+    prints: Fingerprints,
     tables: HashMap<String, Table>,
     /// Whether some table has a tenant column.
     tenants: bool,
@@ -152,9 +153,50 @@ pub fn shard_of(position: Position, span: u32) -> u32 {
     (z % u64::from(span.max(1))) as u32
 }
 
-/// A key as logs show it, and metrics under `hot_keys.redact_keys`.
-pub(crate) fn fingerprint(hash: u64) -> String {
-    format!("#{hash:016x}")
+/// The shortest `hot_keys.fingerprint_key`.
+pub const FINGERPRINT_KEY_MIN: usize = 16;
+
+/// How a key or tenant is shown where its value must not be (logs, and
+/// metrics under `hot_keys.redact_keys`): `#` and 16 hex digits of its
+/// hash, or of an HMAC-SHA256 of the hash under `hot_keys.fingerprint_key`.
+/// Unkeyed, a guessable value is found by hashing candidates; keyed, not
+/// without the key.
+#[derive(Clone)]
+pub struct Fingerprints(Option<ring::hmac::Key>);
+
+impl std::fmt::Debug for Fingerprints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Fingerprints(keyed)"
+        } else {
+            "Fingerprints(unkeyed)"
+        })
+    }
+}
+
+impl Fingerprints {
+    pub fn new(config: &HotKeysConfig) -> Fingerprints {
+        Fingerprints(
+            config
+                .fingerprint_key
+                .as_ref()
+                .map(|k| ring::hmac::Key::new(ring::hmac::HMAC_SHA256, k.expose().as_bytes())),
+        )
+    }
+
+    /// The fingerprint of a key whose [`key_hash`] is `hash`.
+    pub fn of(&self, hash: u64) -> String {
+        let shown = match &self.0 {
+            None => hash,
+            Some(key) => {
+                let tag = ring::hmac::sign(key, &hash.to_be_bytes());
+                let mut first = [0u8; 8];
+                first.copy_from_slice(&tag.as_ref()[..8]);
+                u64::from_be_bytes(first)
+            }
+        };
+        format!("#{shown:016x}")
+    }
 }
 
 /// The partitions of a key salted over `shards` in a topic of
@@ -265,6 +307,7 @@ impl Partitioner {
             .collect();
         let tenants = config.tenant_columns().next().is_some();
         Partitioner {
+            prints: Fingerprints::new(&hot),
             hot,
             tables,
             tenants,
@@ -430,7 +473,7 @@ impl Partitioner {
     /// A key as metrics and `pgcdc status` show it.
     fn shown(&self, hash: u64, label: impl FnOnce() -> String) -> String {
         if self.hot.redact_keys {
-            fingerprint(hash)
+            self.prints.of(hash)
         } else {
             label()
         }
@@ -447,14 +490,14 @@ impl Partitioner {
             let mut published = lock(&t.published);
             let mut now_hot = HashMap::new();
             for h in hot {
-                let key = h.label.clone().unwrap_or_else(|| fingerprint(h.hash));
+                let key = h.label.clone().unwrap_or_else(|| self.prints.of(h.hash));
                 let salted = t.salts_key(h.hash, h.rate);
                 let labels = [("table", table.clone()), ("key", key.clone())];
                 metrics::gauge!(observe::HOT_KEY_RATE, &labels).set(h.rate);
                 metrics::gauge!(observe::HOT_KEY_SHARE, &labels).set(h.share);
                 metrics::gauge!(observe::HOT_KEY_SALTED, &labels).set(f64::from(u8::from(salted)));
                 if !published.contains_key(&h.hash) {
-                    tracing::info!(%table, fingerprint = fingerprint(h.hash),
+                    tracing::info!(%table, fingerprint = self.prints.of(h.hash),
                         rate = h.rate.round(), share = format!("{:.2}", h.share), salted,
                         "hot key: its rate reached hot_keys.report_per_sec");
                 }
@@ -477,6 +520,29 @@ impl Partitioner {
 mod tests {
     use super::*;
     use crate::sink::partition_for;
+
+    #[test]
+    fn a_fingerprint_is_keyed_only_with_a_fingerprint_key() {
+        let with = |key: Option<&str>| {
+            Fingerprints::new(&HotKeysConfig {
+                fingerprint_key: key.map(crate::secret::Secret::new),
+                ..Default::default()
+            })
+        };
+        let hash = key_hash(b"acme-corp");
+        // Unkeyed: the hash itself, as before the key existed.
+        assert_eq!(with(None).of(hash), format!("#{hash:016x}"));
+        let a = with(Some("0123456789abcdef"));
+        let print = a.of(hash);
+        assert_eq!(print.len(), 17);
+        assert!(print.starts_with('#'));
+        assert_ne!(print, with(None).of(hash));
+        // Stable for one key, so that every process shows the same one.
+        assert_eq!(print, with(Some("0123456789abcdef")).of(hash));
+        assert_ne!(print, with(Some("0123456789abcdeg")).of(hash));
+        assert_ne!(print, a.of(key_hash(b"acme-corq")));
+        assert!(!format!("{a:?}").contains("0123"));
+    }
 
     #[test]
     fn a_salted_key_spreads_over_its_shards_and_its_own_partition_comes_first() {
