@@ -921,11 +921,28 @@ impl Config {
         let lookup = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
         let mut errors = Vec::new();
         interpolate(&mut value, "", &lookup, &mut errors);
-        apply_overrides(&mut value, env, &mut errors);
+        let overrides = apply_overrides(&mut value, env, &mut errors);
         if !errors.is_empty() {
             return Err(invalid(errors));
         }
-        let mut config: Config = serde_path_to_error::deserialize(value).map_err(|e| {
+        // An override is read as TOML unless it replaces text or may hold
+        // a secret; where that guess meets the wrong type (`1234` for an
+        // unset `registry.username`, `12` over a file's wrong `"12"`), the
+        // other reading is tried once, and the first error stands if
+        // that fails too.
+        let first = serde_path_to_error::deserialize::<_, Config>(value.clone());
+        let retried = match &first {
+            Err(e) => overrides
+                .iter()
+                .find(|o| o.path == e.path().to_string())
+                .and_then(|o| {
+                    let mut again = value.clone();
+                    o.set(&mut again, o.other_reading()?);
+                    serde_path_to_error::deserialize::<_, Config>(again).ok()
+                }),
+            Ok(_) => None,
+        };
+        let mut config: Config = retried.map_or(first, Ok).map_err(|e| {
             let path = e.path().to_string();
             // serde quotes the value it refused ("invalid type: integer
             // `1234`, expected a string"), which may be a secret.
@@ -1878,11 +1895,55 @@ fn at_path<'a>(value: &'a toml::Value, parts: &[String]) -> Option<&'a toml::Val
 }
 
 /// Applies `PGCDC__A__B=value` overrides.
+/// An environment override as applied.
+struct Override {
+    /// Dotted, as deserialization errors name fields.
+    path: String,
+    parts: Vec<String>,
+    raw: String,
+    /// Read as TOML (`12`, `true`, `["a"]`) rather than kept as text.
+    parsed: bool,
+}
+
+impl Override {
+    /// The value the other way of reading it gives: text for one read as
+    /// TOML, TOML for text (`None` where the text is not TOML).
+    fn other_reading(&self) -> Option<toml::Value> {
+        if self.parsed {
+            Some(toml::Value::String(self.raw.clone()))
+        } else {
+            toml_value(&self.raw)
+        }
+    }
+
+    /// Puts `v` at this override's path (its tables exist: it was applied).
+    fn set(&self, value: &mut toml::Value, v: toml::Value) {
+        let mut cursor = value;
+        for part in &self.parts[..self.parts.len() - 1] {
+            match cursor.get_mut(part.as_str()) {
+                Some(next) => cursor = next,
+                None => return,
+            }
+        }
+        if let (Some(table), Some(last)) = (cursor.as_table_mut(), self.parts.last()) {
+            table.insert(last.clone(), v);
+        }
+    }
+}
+
+/// `raw` read as a TOML value, if it is one.
+fn toml_value(raw: &str) -> Option<toml::Value> {
+    toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+}
+
 fn apply_overrides(
     value: &mut toml::Value,
     env: &[(String, String)],
     errors: &mut Vec<FieldError>,
-) {
+) -> Vec<Override> {
+    let mut applied = Vec::new();
     for (name, raw) in env {
         let Some(path) = name.strip_prefix(OVERRIDE_PREFIX) else {
             continue;
@@ -1900,14 +1961,14 @@ fn apply_overrides(
         // replacing text from the file.
         let text = holds_secret(&parts.join("."))
             || at_path(value, &parts).is_some_and(toml::Value::is_str);
-        let parsed = if text {
-            None
-        } else {
-            toml::from_str::<toml::Table>(&format!("v = {raw}"))
-                .ok()
-                .and_then(|mut t| t.remove("v"))
-        }
-        .unwrap_or_else(|| toml::Value::String(raw.clone()));
+        let typed = if text { None } else { toml_value(raw) };
+        applied.push(Override {
+            path: parts.join("."),
+            parts: parts.clone(),
+            raw: raw.clone(),
+            parsed: typed.is_some(),
+        });
+        let parsed = typed.unwrap_or_else(|| toml::Value::String(raw.clone()));
         let mut cursor = &mut *value;
         for (i, part) in parts.iter().enumerate() {
             let Some(table) = cursor.as_table_mut() else {
@@ -1926,6 +1987,7 @@ fn apply_overrides(
                 .or_insert_with(|| toml::Value::Table(toml::Table::new()));
         }
     }
+    applied
 }
 
 #[cfg(test)]
@@ -2472,6 +2534,27 @@ url = "http://127.0.0.1:8081"
         assert_eq!(c.kafka.partitions, 12);
         assert_eq!(c.source.snapshot.mode, SnapshotMode::Never);
         assert_eq!(c.source.tables, vec!["public.a", "public.b"]);
+        Ok(())
+    }
+
+    #[test]
+    fn an_override_of_the_wrong_guessed_type_is_read_the_other_way() -> Result<(), ConfigError> {
+        // Unset in the file, digits: read as an integer first, a string is wanted.
+        let c = load(MINIMAL, &[("PGCDC__REGISTRY__USERNAME", "1234")])?;
+        assert_eq!(c.registry.username.as_deref(), Some("1234"));
+        // The file's wrong text, fixed by an override of the right type.
+        let text = MINIMAL.replace(
+            "topic_prefix = \"shop\"",
+            "topic_prefix = \"shop\"\npartitions = \"12\"",
+        );
+        let refused = load(&text, &[]).expect_err("a string partition count");
+        assert_eq!(paths(refused), vec!["kafka.partitions"]);
+        let c = load(&text, &[("PGCDC__KAFKA__PARTITIONS", "12")])?;
+        assert_eq!(c.kafka.partitions, 12);
+        // Wrong either way: the first reading's error stands, by path.
+        let wrong =
+            load(MINIMAL, &[("PGCDC__KAFKA__PARTITIONS", "many")]).expect_err("not a number");
+        assert_eq!(paths(wrong), vec!["kafka.partitions"]);
         Ok(())
     }
 
