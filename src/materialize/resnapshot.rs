@@ -9,7 +9,8 @@
 //! owns them), every mirror row still older than the snapshot is one the
 //! snapshot did not read: it is removed as a truncate at the snapshot's
 //! position would remove it, with the read-model rows that depended on it
-//! recomputed, in one serializable transaction. The truncate watermark
+//! recomputed, in serializable transactions of at most 10,000 rows each,
+//! the last of which sets the watermark. The truncate watermark
 //! records it, so a sweep happens once per snapshot and a redelivered
 //! change older than the snapshot stays skipped. A snapshot row applied
 //! after the sweep (a dead letter replayed, a record still in flight) is
@@ -26,6 +27,9 @@
 //!  mirror at (P, 0) or later (or deleted since, with a tombstone)?          rows short: look again in 2 min,
 //!        │ yes                                                              doubling to 1 h; a record gone:
 //!        ▼                                                                  never again (`pgcdc rebuild`)
+//!  while more than 10,000 rows lie below (P, -1): BEGIN ─► 10,000 of them: view keys, delete, recompute ─► COMMIT
+//!        │
+//!        ▼
 //!  BEGIN ─► view keys of the rows below (P, -1) ─► delete them, watermark (P, -1) ─► recompute ─► COMMIT
 //! ```
 //!
@@ -47,7 +51,9 @@ use crate::observe;
 use crate::snapshot_marker::{self, Kind, Marker, Phase};
 use crate::source::pgoutput::Lsn;
 
-/// Above this many rows to remove, every row of the read models over the
+/// Rows removed per transaction: beyond this many, the sweep removes them
+/// in chunks of this many first (see [`sweep_chunks`]); and should the
+/// last transaction still find more, every row of the read models over the
 /// table is recomputed instead of the removed rows' keys one by one.
 const KEYS_ONE_BY_ONE: i64 = 10_000;
 
@@ -327,7 +333,8 @@ async fn mirror_round(
     if let Some(why) = short(read, found(db, m, lsn).await?) {
         return Ok(Some(Held::Off(why)));
     }
-    let removed = sweep(db, m, views, statements, lsn).await?;
+    let removed = sweep_chunks(db, m, views, statements, lsn).await?
+        + sweep(db, m, views, statements, lsn).await?;
     if removed > 0 {
         metrics::counter!(observe::MATERIALIZE_RESNAPSHOT_REMOVED, "table" => m.source.clone())
             .increment(removed);
@@ -353,6 +360,71 @@ async fn found(db: &Client, m: &Mirror, lsn: Lsn) -> Result<u64, tokio_postgres:
         )
         .await?;
     Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
+}
+
+/// While more than [`KEYS_ONE_BY_ONE`] rows lie below the snapshot's
+/// floor, removes that many, with their read-model keys recomputed, in a
+/// serializable transaction of their own; the rows removed. [`sweep`]
+/// then removes the rest and sets the watermark. Until it does, nothing
+/// else treats the mirror as swept: a crash between chunks leaves fewer
+/// stale rows for the next round, and a row a replayed dead letter brings
+/// back below the floor meanwhile is removed by the last transaction. A
+/// long sweep thus never holds one transaction that concurrent batches
+/// conflict with, nor recomputes every row of the read models.
+async fn sweep_chunks(
+    db: &mut Client,
+    m: &Mirror,
+    views: &[View],
+    statements: &mut Statements,
+    lsn: Lsn,
+) -> Result<u64, MaterializeError> {
+    let (at, seq) = floor(lsn);
+    let below = "(_pgcdc_commit_lsn, _pgcdc_seq) < ($1, $2)";
+    let mut removed = 0;
+    loop {
+        let tx = db
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::Serializable)
+            .start()
+            .await?;
+        let rows = tx
+            .query(
+                &format!(
+                    "SELECT ctid::text, {} FROM {} WHERE {below} LIMIT {}",
+                    m.key_as_text(),
+                    m.qualified,
+                    KEYS_ONE_BY_ONE + 1
+                ),
+                &[&at, &seq],
+            )
+            .await?;
+        if rows.len() as i64 <= KEYS_ONE_BY_ONE {
+            return Ok(removed);
+        }
+        let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
+        let mut rows_at: Vec<String> = Vec::with_capacity(KEYS_ONE_BY_ONE as usize);
+        for row in &rows[..KEYS_ONE_BY_ONE as usize] {
+            rows_at.push(row.get(0));
+            let key: Vec<String> = (1..=m.key.len())
+                .map(|i| row.get::<_, Option<String>>(i).unwrap_or_default())
+                .collect();
+            super::view_keys(&tx, statements, views, m, &key, &mut affected).await?;
+        }
+        let n = tx
+            .execute(
+                &format!(
+                    "DELETE FROM {} WHERE ctid = ANY($3::text[]::tid[]) AND {below}",
+                    m.qualified
+                ),
+                &[&at, &seq, &rows_at],
+            )
+            .await?;
+        super::recompute_views(&tx, views, statements, &affected).await?;
+        tx.commit().await?;
+        removed += n;
+        tracing::info!(mirror = %m.qualified, snapshot = %lsn, removed,
+            "removing rows the new snapshot did not read, in chunks");
+    }
 }
 
 /// Removes the rows below the snapshot's floor and recomputes the read

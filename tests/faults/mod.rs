@@ -253,6 +253,17 @@ batch_size = 100
         mat::materializer(&self.config, &[], &[])
     }
 
+    /// A materializer whose log goes to `log`.
+    pub fn materializer_logging_to(&self, log: &std::path::Path) -> tokio::process::Child {
+        let file = std::fs::File::create(log).expect("the materializer's log file");
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
+            .args(["materialize", "--config", self.config.arg()])
+            .stderr(file)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn pgcdc materialize")
+    }
+
     /// Runs the three checks once the pipeline has caught up, and returns
     /// (and records) the scenario's figures.
     pub async fn verify(&self, scenario: &str, faults: usize) -> Tally {

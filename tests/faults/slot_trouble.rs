@@ -14,10 +14,18 @@ use super::{Scenario, Writer, LOGICAL};
 use crate::support::{self, ScratchCluster, TestDb};
 
 /// Streams for a while under the writer (seeded `seed`), then stops the
-/// connector; the materializer and the writer go on.
-async fn streamed_then_stopped(s: &Scenario, seed: u64) -> (tokio::process::Child, Writer) {
+/// connector; the materializer (logging to `log`, if given) and the
+/// writer go on.
+async fn streamed_then_stopped(
+    s: &Scenario,
+    seed: u64,
+    log: Option<&std::path::Path>,
+) -> (tokio::process::Child, Writer) {
     let connector = s.connector();
-    let materializer = s.materializer();
+    let materializer = match log {
+        Some(log) => s.materializer_logging_to(log),
+        None => s.materializer(),
+    };
     support::wait_snapshot_completed(&s.parsed).await;
     let writer = Writer::start(&s.source_url, seed);
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -129,7 +137,8 @@ async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
         20_000,
     )
     .await;
-    let (materializer, writer) = streamed_then_stopped(&s, 0xd209_5107).await;
+    let log = tempfile::NamedTempFile::new().expect("a log file");
+    let (materializer, writer) = streamed_then_stopped(&s, 0xd209_5107, Some(log.path())).await;
     source_db
         .admin()
         .await
@@ -137,16 +146,17 @@ async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
         .await
         .expect("drop the slot");
     // Changes go on (deletes among them) while no slot captures them;
-    // these orders surely had mirror rows.
+    // these orders surely had mirror rows. More of them than one sweep
+    // transaction removes (10,000): the sweep goes in chunks.
     let deleted = support::connect(&s.source_url)
         .await
         .execute(
-            "DELETE FROM orders WHERE id IN (SELECT id FROM orders ORDER BY id LIMIT 3)",
+            "DELETE FROM orders WHERE id IN (SELECT id FROM orders ORDER BY id LIMIT 12000)",
             &[],
         )
         .await
         .expect("delete");
-    assert_eq!(deleted, 3);
+    assert_eq!(deleted, 12_000);
     tokio::time::sleep(Duration::from_secs(3)).await;
     refused_then_recovered(
         &s,
@@ -158,6 +168,11 @@ async fn a_slot_dropped_outside_pgcdc_is_refused_reported_and_recovered() {
     )
     .await;
     assert_eq!(crate::materialize::terminate(materializer).await, Some(0));
+    let logged = std::fs::read_to_string(log.path()).expect("the materializer's log");
+    assert!(
+        logged.contains("removing rows the new snapshot did not read, in chunks"),
+        "the sweep did not go in chunks:\n{logged}"
+    );
     source_db.drop_db().await;
     target_db.drop_db().await;
 }
@@ -190,7 +205,7 @@ async fn an_invalidated_slot_is_refused_reported_and_recovered() {
         20_000,
     )
     .await;
-    let (materializer, writer) = streamed_then_stopped(&s, 0x1057_51a7).await;
+    let (materializer, writer) = streamed_then_stopped(&s, 0x1057_51a7, None).await;
     // WAL grows past max_slot_wal_keep_size while the connector is
     // stopped, until a checkpoint invalidates the slot.
     let client = support::connect(&source_url).await;
