@@ -932,17 +932,27 @@ impl Config {
         // that fails too.
         let first = serde_path_to_error::deserialize::<_, Config>(value.clone());
         let retried = match &first {
+            // The last override of a path is the one in effect.
             Err(e) => overrides
                 .iter()
+                .rev()
                 .find(|o| o.path == e.path().to_string())
                 .and_then(|o| {
                     let mut again = value.clone();
                     o.set(&mut again, o.other_reading()?);
-                    serde_path_to_error::deserialize::<_, Config>(again).ok()
+                    Some(serde_path_to_error::deserialize::<_, Config>(again))
                 }),
             Ok(_) => None,
         };
-        let mut config: Config = retried.map_or(first, Ok).map_err(|e| {
+        // A retry that mended its field but failed at another reports that one.
+        let outcome = match (first, retried) {
+            (Err(e), Some(Err(again))) if again.path().to_string() != e.path().to_string() => {
+                Err(again)
+            }
+            (_, Some(Ok(config))) => Ok(config),
+            (first, _) => first,
+        };
+        let mut config: Config = outcome.map_err(|e| {
             let path = e.path().to_string();
             // serde quotes the value it refused ("invalid type: integer
             // `1234`, expected a string"), which may be a secret.
@@ -1894,7 +1904,6 @@ fn at_path<'a>(value: &'a toml::Value, parts: &[String]) -> Option<&'a toml::Val
         .try_fold(value, |v, part| v.as_table()?.get(part.as_str()))
 }
 
-/// Applies `PGCDC__A__B=value` overrides.
 /// An environment override as applied.
 struct Override {
     /// Dotted, as deserialization errors name fields.
@@ -1938,6 +1947,7 @@ fn toml_value(raw: &str) -> Option<toml::Value> {
         .and_then(|mut t| t.remove("v"))
 }
 
+/// Applies `PGCDC__A__B=value` overrides; returns them, in order.
 fn apply_overrides(
     value: &mut toml::Value,
     env: &[(String, String)],
@@ -2551,6 +2561,20 @@ url = "http://127.0.0.1:8081"
         assert_eq!(paths(refused), vec!["kafka.partitions"]);
         let c = load(&text, &[("PGCDC__KAFKA__PARTITIONS", "12")])?;
         assert_eq!(c.kafka.partitions, 12);
+        // Mended, but another field is wrong: that one is reported.
+        let bad_slot = MINIMAL.replace("slot = \"pgcdc_shop\"", "slot = 5");
+        let other = load(&bad_slot, &[("PGCDC__REGISTRY__USERNAME", "1234")])
+            .expect_err("the slot is a number");
+        assert_eq!(paths(other), vec!["source.slot"]);
+        // Of two overrides of one path, the one in effect is retried.
+        let c = load(
+            MINIMAL,
+            &[
+                ("PGCDC__REGISTRY__USERNAME", "true"),
+                ("PGCDC__registry__username", "1234"),
+            ],
+        )?;
+        assert_eq!(c.registry.username.as_deref(), Some("1234"));
         // Wrong either way: the first reading's error stands, by path.
         let wrong =
             load(MINIMAL, &[("PGCDC__KAFKA__PARTITIONS", "many")]).expect_err("not a number");

@@ -333,11 +333,13 @@ async fn mirror_round(
     if let Some(why) = short(read, found(db, m, lsn).await?) {
         return Ok(Some(Held::Off(why)));
     }
-    let removed = sweep_chunks(db, m, views, statements, lsn).await?
-        + sweep(db, m, views, statements, lsn).await?;
+    // The chunks count their rows as they commit.
+    let chunked = sweep_chunks(db, m, views, statements, lsn).await?;
+    let last = sweep(db, m, views, statements, lsn).await?;
+    metrics::counter!(observe::MATERIALIZE_RESNAPSHOT_REMOVED, "table" => m.source.clone())
+        .increment(last);
+    let removed = chunked + last;
     if removed > 0 {
-        metrics::counter!(observe::MATERIALIZE_RESNAPSHOT_REMOVED, "table" => m.source.clone())
-            .increment(removed);
         tracing::info!(mirror = %m.qualified, snapshot = %lsn, removed,
             "rows the new snapshot did not read (deleted at the source while nothing was captured) removed");
     }
@@ -399,6 +401,7 @@ async fn sweep_chunks(
             )
             .await?;
         if rows.len() as i64 <= KEYS_ONE_BY_ONE {
+            tx.rollback().await?;
             return Ok(removed);
         }
         let mut affected: Vec<BTreeSet<String>> = vec![BTreeSet::new(); views.len()];
@@ -422,6 +425,8 @@ async fn sweep_chunks(
         super::recompute_views(&tx, views, statements, &affected).await?;
         tx.commit().await?;
         removed += n;
+        metrics::counter!(observe::MATERIALIZE_RESNAPSHOT_REMOVED, "table" => m.source.clone())
+            .increment(n);
         tracing::info!(mirror = %m.qualified, snapshot = %lsn, removed,
             "removing rows the new snapshot did not read, in chunks");
     }
