@@ -747,6 +747,11 @@ pub struct TargetConfig {
     /// `partitioning.<table>.tenant_column` sets); unset: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant_quota: Option<TenantQuotaConfig>,
+    /// Tenants named on the per-tenant metrics (`pgcdc_tenant_*`), the
+    /// first seen; later ones are summed under `tenant="_other"`, so that
+    /// the number of series stays bounded.
+    #[serde(default = "default_tenant_labels")]
+    pub tenant_labels: usize,
 }
 
 /// A token bucket per tenant in the materializer's batch formation. A
@@ -838,6 +843,9 @@ pub const DEFAULT_BATCH_SIZE: usize = 500;
 pub const DEFAULT_REDELIVERY_WINDOW_HOURS: u64 = 8 * 24;
 fn default_batch_size() -> usize {
     DEFAULT_BATCH_SIZE
+}
+fn default_tenant_labels() -> usize {
+    1000
 }
 fn default_redelivery_window_hours() -> u64 {
     DEFAULT_REDELIVERY_WINDOW_HOURS

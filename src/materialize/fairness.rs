@@ -26,6 +26,9 @@
 //!   applied. On one shared topic that is every partition (fairness falls
 //!   back to order of arrival meanwhile); with the noisy tenant routed to
 //!   a dedicated topic, only that topic's partitions pause.
+//! - **Bounded metrics.** The first `target.tenant_labels` tenants seen
+//!   get series of their own on the per-tenant metrics; the rest share
+//!   [`OTHER_TENANTS`].
 //!
 //! ```text
 //!  consumer ──► tenant header ──► tokens left? ──yes──► batch ──► apply ──► commit points
@@ -33,7 +36,7 @@
 //!                                     └──► waiting (FIFO per tenant) ─┘ tokens, or room left
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 use rdkafka::message::{Headers, OwnedMessage};
@@ -83,8 +86,7 @@ impl Bucket {
 /// straight to the batch, and only the commit points are kept.
 pub struct Fairness {
     quota: Option<TenantQuotaConfig>,
-    /// Tenant labels as fingerprints (`hot_keys.redact_keys`).
-    redact: Option<Fingerprints>,
+    labels: TenantLabels,
     buckets: HashMap<Vec<u8>, Bucket>,
     waiting: HashMap<Vec<u8>, VecDeque<OwnedMessage>>,
     /// Tenants with waiting records, in round-robin order.
@@ -98,8 +100,8 @@ pub struct Fairness {
     paused: Vec<Partition>,
     /// Records deferred since the last [`Fairness::report`], by tenant.
     deferred: HashMap<Vec<u8>, u64>,
-    /// Tenants whose waiting count the last report showed.
-    shown: Vec<Vec<u8>>,
+    /// Series whose waiting count the last report showed.
+    shown: Vec<String>,
 }
 
 impl std::fmt::Debug for Fairness {
@@ -129,12 +131,57 @@ fn label(tenant: &[u8], redact: Option<&Fingerprints>) -> String {
     }
 }
 
-impl Fairness {
+/// The `tenant` label of the tenants beyond `target.tenant_labels`.
+pub const OTHER_TENANTS: &str = "_other";
+
+/// How the per-tenant metrics name tenants: the first `max` seen by
+/// [`label`], each on series of its own, and every later one as
+/// [`OTHER_TENANTS`], so that the number of series stays bounded however
+/// many tenants come.
+#[derive(Debug)]
+pub struct TenantLabels {
+    redact: Option<Fingerprints>,
+    max: usize,
+    named: HashSet<Vec<u8>>,
+}
+
+impl TenantLabels {
     /// `redact`: show tenants as these fingerprints (`hot_keys.redact_keys`).
-    pub fn new(quota: Option<TenantQuotaConfig>, redact: Option<Fingerprints>) -> Fairness {
+    pub fn new(redact: Option<Fingerprints>, max: usize) -> TenantLabels {
+        TenantLabels {
+            redact,
+            max,
+            named: HashSet::new(),
+        }
+    }
+
+    /// Names `tenant` if it has no name yet and there is room; whether
+    /// it has one.
+    fn see(&mut self, tenant: &[u8]) -> bool {
+        if self.named.contains(tenant) {
+            return true;
+        }
+        if self.named.len() >= self.max {
+            return false;
+        }
+        self.named.insert(tenant.to_vec());
+        true
+    }
+
+    fn of(&mut self, tenant: &[u8]) -> String {
+        if self.see(tenant) {
+            label(tenant, self.redact.as_ref())
+        } else {
+            OTHER_TENANTS.to_string()
+        }
+    }
+}
+
+impl Fairness {
+    pub fn new(quota: Option<TenantQuotaConfig>, labels: TenantLabels) -> Fairness {
         Fairness {
             quota,
-            redact,
+            labels,
             buckets: HashMap::new(),
             waiting: HashMap::new(),
             turn: VecDeque::new(),
@@ -316,11 +363,24 @@ impl Fairness {
     /// Per-tenant lag after a batch: for each tenant in it, the age of its
     /// newest applied record; for each with waiting records, the age of
     /// the oldest of them if greater. Also the waiting counts.
+    /// Tenants beyond `target.tenant_labels` are summed under
+    /// [`OTHER_TENANTS`] (their largest lag).
     pub fn report(&mut self, batch: &[OwnedMessage], now_ms: i64) {
-        let redact = self.redact.as_ref();
-        let shown = |tenant: &[u8]| label(tenant, redact);
+        let labels = &mut self.labels;
+        // Names go to tenants in the order their records were read: the
+        // batch's, then those waiting.
+        for tenant in batch.iter().filter_map(tenant_of) {
+            labels.see(tenant);
+        }
+        for tenant in &self.turn {
+            labels.see(tenant);
+        }
+        let mut deferred: HashMap<String, u64> = HashMap::new();
         for (tenant, n) in self.deferred.drain() {
-            metrics::counter!(observe::TENANT_DEFERRED, "tenant" => shown(&tenant)).increment(n);
+            *deferred.entry(labels.of(&tenant)).or_default() += n;
+        }
+        for (series, n) in deferred {
+            metrics::counter!(observe::TENANT_DEFERRED, "tenant" => series).increment(n);
         }
         let mut lag: HashMap<&[u8], i64> = HashMap::new();
         for m in batch {
@@ -330,22 +390,30 @@ impl Fairness {
             let e = lag.entry(tenant).or_insert(i64::MAX);
             *e = (*e).min((now_ms - at).max(0));
         }
+        let mut waiting: HashMap<String, usize> = HashMap::new();
         for (tenant, queue) in &self.waiting {
             let oldest = queue.front().and_then(|m| m.timestamp().to_millis());
             if let Some(at) = oldest {
                 let e = lag.entry(tenant).or_insert(0);
                 *e = (*e).max((now_ms - at).max(0));
             }
-            metrics::gauge!(observe::TENANT_WAITING, "tenant" => shown(tenant))
-                .set(queue.len() as f64);
+            *waiting.entry(labels.of(tenant)).or_default() += queue.len();
         }
-        // Tenants whose last waiting record left since the last report.
-        for tenant in self.shown.iter().filter(|t| !self.waiting.contains_key(*t)) {
-            metrics::gauge!(observe::TENANT_WAITING, "tenant" => shown(tenant)).set(0.0);
+        for (series, n) in &waiting {
+            metrics::gauge!(observe::TENANT_WAITING, "tenant" => series.clone()).set(*n as f64);
         }
-        self.shown = self.waiting.keys().cloned().collect();
+        // Series whose last waiting record left since the last report.
+        for series in self.shown.iter().filter(|s| !waiting.contains_key(*s)) {
+            metrics::gauge!(observe::TENANT_WAITING, "tenant" => series.clone()).set(0.0);
+        }
+        self.shown = waiting.into_keys().collect();
+        let mut lags: HashMap<String, i64> = HashMap::new();
         for (tenant, ms) in lag {
-            metrics::gauge!(observe::TENANT_LAG, "tenant" => shown(tenant)).set(ms as f64 / 1e3);
+            let e = lags.entry(labels.of(tenant)).or_insert(0);
+            *e = (*e).max(ms);
+        }
+        for (series, ms) in lags {
+            metrics::gauge!(observe::TENANT_LAG, "tenant" => series).set(ms as f64 / 1e3);
         }
     }
 }
@@ -381,7 +449,7 @@ mod tests {
                 max_deferred: max,
                 tenants: BTreeMap::new(),
             }),
-            None,
+            TenantLabels::new(None, 1000),
         )
     }
 
@@ -481,7 +549,10 @@ mod tests {
         let exported = |redact: Option<&Fingerprints>| {
             let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
             let handle = recorder.handle();
-            let mut f = Fairness::new(quota(0.001, 10).quota, redact.cloned());
+            let mut f = Fairness::new(
+                quota(0.001, 10).quota,
+                TenantLabels::new(redact.cloned(), 1000),
+            );
             let now = Instant::now();
             // Two records of one tenant: the second waits for the bucket.
             let batch: Vec<_> = (0..3)
@@ -518,9 +589,49 @@ mod tests {
     }
 
     #[test]
+    fn tenants_beyond_tenant_labels_share_one_series() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let mut f = Fairness::new(quota(0.001, 100).quota, TenantLabels::new(None, 2));
+        let now = Instant::now();
+        // Each tenant's bucket takes two (its burst); the rest wait: a 1,
+        // b 2, c 3 and d 4 waiting.
+        let mut batch = Vec::new();
+        let mut offset = 0;
+        for (tenant, n) in [("a", 3), ("b", 4), ("c", 5), ("d", 6)] {
+            for _ in 0..n {
+                batch.extend(f.admit(record(tenant, 0, offset), now));
+                offset += 1;
+            }
+        }
+        assert_eq!(f.waiting(), 10);
+        metrics::with_local_recorder(&recorder, || f.report(&batch, 2_000));
+        let shown = handle.render();
+        let waiting = |series: &str| {
+            let line = format!("{}{{tenant=\"{series}\"}} ", observe::TENANT_WAITING);
+            shown
+                .lines()
+                .find_map(|l| l.strip_prefix(line.as_str()))
+                .map(|v| v.trim().to_string())
+        };
+        assert_eq!(waiting("a").as_deref(), Some("1"), "{shown}");
+        assert_eq!(waiting("b").as_deref(), Some("2"), "{shown}");
+        assert_eq!(waiting(OTHER_TENANTS).as_deref(), Some("7"), "{shown}");
+        assert_eq!(waiting("c"), None, "{shown}");
+        assert_eq!(waiting("d"), None, "{shown}");
+        for name in [observe::TENANT_LAG, observe::TENANT_DEFERRED] {
+            assert!(
+                shown.contains(&format!("{name}{{tenant=\"{OTHER_TENANTS}\"}}")),
+                "{shown}"
+            );
+            assert!(!shown.contains("tenant=\"c\""), "{shown}");
+        }
+    }
+
+    #[test]
     fn without_a_quota_everything_goes_straight_to_the_batch() {
         let now = Instant::now();
-        let mut f = Fairness::new(None, None);
+        let mut f = Fairness::new(None, TenantLabels::new(None, 1000));
         let batch: Vec<_> = (0..5)
             .filter_map(|o| f.admit(record("a", 0, o), now))
             .collect();

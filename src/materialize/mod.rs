@@ -996,10 +996,13 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
     };
     let mut fair = fairness::Fairness::new(
         target.tenant_quota.clone(),
-        config
-            .hot_keys
-            .redact_keys
-            .then(|| crate::partitioning::Fingerprints::new(&config.hot_keys)),
+        fairness::TenantLabels::new(
+            config
+                .hot_keys
+                .redact_keys
+                .then(|| crate::partitioning::Fingerprints::new(&config.hot_keys)),
+            target.tenant_labels,
+        ),
     );
     let mut analyze = Analyze::Beside {
         url: target.url.clone(),
