@@ -517,8 +517,7 @@ async fn a_parent_table_is_snapshotted_without_its_inheritance_children() {
         .await
         .expect("tables");
     let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.parent"]);
-    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
-    let config = ConfigFile::write(&toml);
+    let (config, parsed) = ConfigFile::parsed(&toml);
     let connector = ConnectorProcess::start(&config);
     support::wait_snapshot_completed(&parsed).await;
     let marker = completed_marker(&parsed, &db).await;
@@ -736,8 +735,7 @@ fn chunked_pipeline(
         "[kafka]",
         &format!("[source.snapshot]\nchunk_rows = {chunk_rows}\nworkers = {workers}\n[kafka]"),
     );
-    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
-    (ConfigFile::write(&toml), parsed)
+    ConfigFile::parsed(&toml)
 }
 
 #[tokio::test]
@@ -1165,8 +1163,7 @@ async fn a_large_table_without_an_integer_key_is_copied_in_block_range_chunks() 
     let expected = ROWS - ROWS / 10;
     let config_toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.words"])
         .replace("[kafka]", "[source.snapshot]\nchunk_rows = 10000\n[kafka]");
-    let config = ConfigFile::write(&config_toml);
-    let parsed = pgcdc::config::Config::from_toml(&config_toml, "test", &[]).expect("config");
+    let (config, parsed) = ConfigFile::parsed(&config_toml);
     let connector = ConnectorProcess::start(&config);
     support::wait_snapshot_completed(&parsed).await;
     let marker = completed_marker(&parsed, &db).await;
@@ -1215,8 +1212,7 @@ async fn a_partitioned_table_is_snapshotted_by_partition_and_streamed_as_one_tab
         "[kafka]",
         "[source.snapshot]\nchunk_rows = 2000\nworkers = 2\n[kafka]",
     );
-    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
-    let config = ConfigFile::write(&toml);
+    let (config, parsed) = ConfigFile::parsed(&toml);
     let connector = ConnectorProcess::start(&config);
     support::wait_snapshot_completed(&parsed).await;
     let marker = completed_marker(&parsed, &db).await;
@@ -1486,8 +1482,7 @@ async fn a_connector_stopped_during_its_initial_snapshot_exits_at_once_and_takes
         .await
         .expect("table");
     let toml = support::pipeline_toml(&stack, &db.url, &db.name, &["public.big"]);
-    let config = ConfigFile::write(&toml);
-    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let (config, parsed) = ConfigFile::parsed(&toml);
     let topic = format!("{}.public.big", db.name);
     let produced = |parsed: pgcdc::config::Config, topic: String| async move {
         pgcdc::snapshot_marker::end_offsets(&parsed.kafka, &[topic])

@@ -202,8 +202,7 @@ async fn exactly_once_skips_what_kafka_holds_when_the_slot_replays_it() {
         .expect("table");
     let mock = mock_cluster(&db.name);
     let toml = eos_toml(&stack, &db, &mock);
-    let config = ConfigFile::write(&toml);
-    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let (config, parsed) = ConfigFile::parsed(&toml);
     let slot = parsed.source.slot.clone();
     let saved = format!("{slot}_saved");
 
@@ -280,8 +279,7 @@ async fn exactly_once_confirms_only_after_the_kafka_commit_and_a_crash_before_it
         .expect("table");
     let mock = mock_cluster(&db.name);
     let toml = eos_toml(&stack, &db, &mock);
-    let config = ConfigFile::write(&toml);
-    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let (config, parsed) = ConfigFile::parsed(&toml);
     let slot = parsed.source.slot.clone();
 
     let mut connector = ConnectorProcess::start(&config);
@@ -384,8 +382,7 @@ async fn exactly_once_stops_cleanly_inside_a_source_transaction_and_replays_it()
         .expect("table");
     let mock = mock_cluster(&db.name);
     let toml = eos_toml(&stack, &db, &mock);
-    let config = ConfigFile::write(&toml);
-    let parsed = pgcdc::config::Config::from_toml(&toml, "test", &[]).expect("config");
+    let (config, parsed) = ConfigFile::parsed(&toml);
     let connector = ConnectorProcess::start(&config);
     support::wait_snapshot_completed(&parsed).await;
     insert_txns(&client, 1, 1, ROWS).await;

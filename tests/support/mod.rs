@@ -213,6 +213,12 @@ impl ConfigFile {
         ConfigFile { _dir: dir, path }
     }
 
+    /// Writes `toml` and parses it as pgcdc would (no environment).
+    pub fn parsed(toml: &str) -> (ConfigFile, pgcdc::config::Config) {
+        let parsed = pgcdc::config::Config::from_toml(toml, "test", &[]).expect("config");
+        (ConfigFile::write(toml), parsed)
+    }
+
     pub fn arg(&self) -> &str {
         self.path.to_str().expect("utf-8 temp path")
     }
