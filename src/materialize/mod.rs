@@ -1907,6 +1907,18 @@ async fn view_keys(
 }
 
 /// Applies a batch in one serializable transaction and commits it.
+/// A transaction of the apply, the sweep or a replay. Serializable: two
+/// instances recomputing a view from rows of different partitions must not
+/// each miss the other's change.
+async fn serializable(
+    db: &mut Client,
+) -> Result<tokio_postgres::Transaction<'_>, tokio_postgres::Error> {
+    db.build_transaction()
+        .isolation_level(tokio_postgres::IsolationLevel::Serializable)
+        .start()
+        .await
+}
+
 async fn apply_once(
     state: &mut State,
     db: &mut Client,
@@ -1916,13 +1928,7 @@ async fn apply_once(
     lookups: &Lookups,
     careful: bool,
 ) -> Result<Done, MaterializeError> {
-    // Serializable: two instances recomputing a view from rows of
-    // different partitions must not each miss the other's change.
-    let tx = db
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::Serializable)
-        .start()
-        .await?;
+    let tx = serializable(db).await?;
     let done = apply_in(&tx, state, batch, changes, lookups, careful).await?;
     // Rejected changes are durable in the dead-letter topic before the
     // batch commits: once it has, a newer change of the same key would

@@ -311,12 +311,7 @@ impl Replayer {
                 let (mut attempt, mut careful) = (0u32, false);
                 loop {
                     attempt += 1;
-                    let tx = self
-                        .db
-                        .build_transaction()
-                        .isolation_level(tokio_postgres::IsolationLevel::Serializable)
-                        .start()
-                        .await?;
+                    let tx = super::serializable(&mut self.db).await?;
                     match apply_in(&tx, &mut self.state, &batch, &changes, &lookups, careful).await
                     {
                         Err(MaterializeError::Rejected) => careful = true,

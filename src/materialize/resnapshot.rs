@@ -364,6 +364,14 @@ async fn found(db: &Client, m: &Mirror, lsn: Lsn) -> Result<u64, tokio_postgres:
     Ok(u64::try_from(row.get::<_, i64>(0)).unwrap_or(0))
 }
 
+/// A mirror row's key, as text, from its `m.key_as_text()` columns
+/// starting at column `from`.
+fn key_at(row: &tokio_postgres::Row, from: usize, m: &Mirror) -> Vec<String> {
+    (from..from + m.key.len())
+        .map(|i| row.get::<_, Option<String>>(i).unwrap_or_default())
+        .collect()
+}
+
 /// While more than [`KEYS_ONE_BY_ONE`] rows lie below the snapshot's
 /// floor, removes that many, with their read-model keys recomputed, in a
 /// serializable transaction of their own; the rows removed. [`sweep`]
@@ -384,11 +392,7 @@ async fn sweep_chunks(
     let below = "(_pgcdc_commit_lsn, _pgcdc_seq) < ($1, $2)";
     let mut removed = 0;
     loop {
-        let tx = db
-            .build_transaction()
-            .isolation_level(tokio_postgres::IsolationLevel::Serializable)
-            .start()
-            .await?;
+        let tx = super::serializable(db).await?;
         let rows = tx
             .query(
                 &format!(
@@ -408,9 +412,7 @@ async fn sweep_chunks(
         let mut rows_at: Vec<String> = Vec::with_capacity(KEYS_ONE_BY_ONE as usize);
         for row in &rows[..KEYS_ONE_BY_ONE as usize] {
             rows_at.push(row.get(0));
-            let key: Vec<String> = (1..=m.key.len())
-                .map(|i| row.get::<_, Option<String>>(i).unwrap_or_default())
-                .collect();
+            let key = key_at(row, 1, m);
             super::view_keys(&tx, statements, views, m, &key, &mut affected).await?;
         }
         let n = tx
@@ -442,11 +444,7 @@ async fn sweep(
     lsn: Lsn,
 ) -> Result<u64, MaterializeError> {
     let (at, seq) = floor(lsn);
-    let tx = db
-        .build_transaction()
-        .isolation_level(tokio_postgres::IsolationLevel::Serializable)
-        .start()
-        .await?;
+    let tx = super::serializable(db).await?;
     // Counted and keyed inside the transaction: a dead letter replayed
     // since the checks may have added one.
     let below = format!(
@@ -469,9 +467,7 @@ async fn sweep(
             .query(&format!("SELECT {} {below}", m.key_as_text()), &[&at, &seq])
             .await?;
         for row in rows {
-            let key: Vec<String> = (0..m.key.len())
-                .map(|i| row.get::<_, Option<String>>(i).unwrap_or_default())
-                .collect();
+            let key = key_at(&row, 0, m);
             super::view_keys(&tx, statements, views, m, &key, &mut affected).await?;
         }
     }
