@@ -944,10 +944,10 @@ impl Config {
             Err(e) => overrides
                 .iter()
                 .rev()
-                .find(|o| o.path == e.path().to_string())
+                .find(|o| o.parts.join(".") == e.path().to_string())
                 .and_then(|o| {
                     let mut again = value.clone();
-                    o.set(&mut again, o.other_reading()?);
+                    o.set(&mut again, o.other_reading()?).ok()?;
                     Some(serde_path_to_error::deserialize::<_, Config>(again))
                 }),
             Ok(_) => None,
@@ -1914,8 +1914,7 @@ fn at_path<'a>(value: &'a toml::Value, parts: &[String]) -> Option<&'a toml::Val
 
 /// An environment override as applied.
 struct Override {
-    /// Dotted, as deserialization errors name fields.
-    path: String,
+    /// Its path's fields, lowercased.
     parts: Vec<String>,
     raw: String,
     /// Read as TOML (`12`, `true`, `["a"]`) rather than kept as text.
@@ -1933,18 +1932,21 @@ impl Override {
         }
     }
 
-    /// Puts `v` at this override's path (its tables exist: it was applied).
-    fn set(&self, value: &mut toml::Value, v: toml::Value) {
+    /// Puts `v` at this override's path, making the tables on the way;
+    /// `Err(i)` when the path's first `i` fields lead to a non-table.
+    fn set(&self, value: &mut toml::Value, v: toml::Value) -> Result<(), usize> {
         let mut cursor = value;
-        for part in &self.parts[..self.parts.len() - 1] {
-            match cursor.get_mut(part.as_str()) {
-                Some(next) => cursor = next,
-                None => return,
+        for (i, part) in self.parts.iter().enumerate() {
+            let table = cursor.as_table_mut().ok_or(i)?;
+            if i + 1 == self.parts.len() {
+                table.insert(part.clone(), v);
+                break;
             }
+            cursor = table
+                .entry(part.clone())
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
         }
-        if let (Some(table), Some(last)) = (cursor.as_table_mut(), self.parts.last()) {
-            table.insert(last.clone(), v);
-        }
+        Ok(())
     }
 }
 
@@ -1980,30 +1982,19 @@ fn apply_overrides(
         let text = holds_secret(&parts.join("."))
             || at_path(value, &parts).is_some_and(toml::Value::is_str);
         let typed = if text { None } else { toml_value(raw) };
-        applied.push(Override {
-            path: parts.join("."),
-            parts: parts.clone(),
+        let o = Override {
+            parts,
             raw: raw.clone(),
             parsed: typed.is_some(),
-        });
-        let parsed = typed.unwrap_or_else(|| toml::Value::String(raw.clone()));
-        let mut cursor = &mut *value;
-        for (i, part) in parts.iter().enumerate() {
-            let Some(table) = cursor.as_table_mut() else {
-                errors.push(FieldError {
-                    path: parts[..i].join("."),
-                    message: format!("environment override {name} descends into a non-table"),
-                });
-                break;
-            };
-            if i + 1 == parts.len() {
-                table.insert(part.clone(), parsed.clone());
-                break;
-            }
-            cursor = table
-                .entry(part.clone())
-                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        };
+        let v = typed.unwrap_or_else(|| toml::Value::String(raw.clone()));
+        if let Err(i) = o.set(value, v) {
+            errors.push(FieldError {
+                path: o.parts[..i].join("."),
+                message: format!("environment override {name} descends into a non-table"),
+            });
         }
+        applied.push(o);
     }
     applied
 }
