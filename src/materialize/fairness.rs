@@ -369,8 +369,15 @@ impl Fairness {
         let labels = &mut self.labels;
         // Names go to tenants in the order their records were read: the
         // batch's, then those waiting.
-        for tenant in batch.iter().filter_map(tenant_of) {
+        let mut lag: HashMap<&[u8], i64> = HashMap::new();
+        for m in batch {
+            let Some(tenant) = tenant_of(m) else { continue };
             labels.see(tenant);
+            let Some(at) = m.timestamp().to_millis() else {
+                continue;
+            };
+            let e = lag.entry(tenant).or_insert(i64::MAX);
+            *e = (*e).min((now_ms - at).max(0));
         }
         for tenant in &self.turn {
             labels.see(tenant);
@@ -381,14 +388,6 @@ impl Fairness {
         }
         for (series, n) in deferred {
             metrics::counter!(observe::TENANT_DEFERRED, "tenant" => series).increment(n);
-        }
-        let mut lag: HashMap<&[u8], i64> = HashMap::new();
-        for m in batch {
-            let (Some(tenant), Some(at)) = (tenant_of(m), m.timestamp().to_millis()) else {
-                continue;
-            };
-            let e = lag.entry(tenant).or_insert(i64::MAX);
-            *e = (*e).min((now_ms - at).max(0));
         }
         let mut waiting: HashMap<String, usize> = HashMap::new();
         for (tenant, queue) in &self.waiting {
