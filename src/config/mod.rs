@@ -499,6 +499,12 @@ pub struct SourceConfig {
     /// many bytes (current LSN minus `restart_lsn`).
     #[serde(default = "default_retained_wal_warning_bytes")]
     pub retained_wal_warning_bytes: u64,
+    /// Stop `pgcdc run` (exit code 1, naming the last error) once an outage
+    /// of Postgres, the broker or the registry has lasted this many
+    /// seconds, counted from its first failed attempt; an attempt that ran
+    /// for a minute ends the outage. 0 retries for ever.
+    #[serde(default)]
+    pub give_up_after_secs: u64,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -29,7 +29,7 @@ pub mod incremental;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use pgwire_replication::{Lsn as WireLsn, ReplicationClient, ReplicationConfig, ReplicationEvent};
@@ -92,6 +92,12 @@ pub enum RunError {
     UnknownRelation { lsn: Lsn, oid: u32 },
     #[error("snapshot of {table}: {message}")]
     Snapshot { table: String, message: String },
+    #[error("gave up after an outage of {lasted_secs} s (source.give_up_after_secs = {limit_secs}); the last error: {last}")]
+    GaveUp {
+        lasted_secs: u64,
+        limit_secs: u64,
+        last: Box<RunError>,
+    },
 }
 
 impl From<sink::SendError> for RunError {
@@ -878,23 +884,71 @@ fn sqlstate_in(text: &str) -> Option<&str> {
 const RESTART_BACKOFF: Duration = Duration::from_secs(1);
 const RESTART_MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// An attempt that ran this long was healthy: the next failure starts the
-/// backoff again from [`RESTART_BACKOFF`].
+/// backoff again from [`RESTART_BACKOFF`], and a new outage.
 const HEALTHY_RUN: Duration = Duration::from_secs(60);
+
+/// The restart loop's memory of the current outage: the next backoff,
+/// and when its first attempt failed (for `source.give_up_after_secs`).
+#[derive(Debug)]
+struct Outage {
+    limit: Option<Duration>,
+    backoff: Duration,
+    since: Option<Instant>,
+}
+
+/// What the restart loop does after a failed attempt.
+#[derive(Debug, PartialEq)]
+enum Next {
+    /// Wait this long, then attempt again.
+    Wait(Duration),
+    /// The outage has lasted this long, past the limit: stop.
+    GiveUp(Duration),
+}
+
+impl Outage {
+    /// `limit_secs` 0: never give up.
+    fn new(limit_secs: u64) -> Outage {
+        Outage {
+            limit: (limit_secs > 0).then(|| Duration::from_secs(limit_secs)),
+            backoff: RESTART_BACKOFF,
+            since: None,
+        }
+    }
+
+    /// An attempt started at `started` failed at `now`. The last wait is
+    /// cut short so that one attempt falls at the limit itself.
+    fn failed(&mut self, started: Instant, now: Instant) -> Next {
+        if now.duration_since(started) >= HEALTHY_RUN {
+            self.backoff = RESTART_BACKOFF;
+            self.since = None;
+        }
+        let lasted = now.duration_since(*self.since.get_or_insert(now));
+        let wait = self.backoff;
+        self.backoff = (self.backoff * 2).min(RESTART_MAX_BACKOFF);
+        match self.limit {
+            Some(limit) if lasted >= limit => Next::GiveUp(lasted),
+            Some(limit) => Next::Wait(wait.min(limit - lasted)),
+            None => Next::Wait(wait),
+        }
+    }
+}
 
 /// Runs the connector until shutdown. An outage of Postgres, the broker or
 /// the registry ([`RunError::verdict`]) restarts it after a backoff, from
-/// the slot's confirmed LSN, so nothing is lost and nothing is skipped;
-/// any other error stops it.
+/// the slot's confirmed LSN, so nothing is lost and nothing is skipped,
+/// until `source.give_up_after_secs` (if set) runs out; any other error
+/// stops it.
 ///
 /// ```text
 ///  attempt ──► error ──► classify ──► Retry: warn, back off (1 s doubling to 30 s), attempt again
+///                                 │          └─► the outage outlasted give_up_after_secs: return GaveUp
 ///                                 └─► Stop: return the error
 /// ```
 pub async fn run(config: Config) -> Result<(), RunError> {
     let config = Arc::new(config);
     let mut shutdown =
         crate::Shutdown::install().map_err(|e| RunError::Config(format!("signals: {e}")))?;
-    let mut backoff = RESTART_BACKOFF;
+    let mut outage = Outage::new(config.source.give_up_after_secs);
     // The slot watch outlives each attempt: a crash loop is a stall too,
     // and its timer must not start again with every attempt.
     let confirmed = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -913,7 +967,7 @@ pub async fn run(config: Config) -> Result<(), RunError> {
     };
     let _stop_publish = AbortOnDrop(publish);
     loop {
-        let started = std::time::Instant::now();
+        let started = Instant::now();
         let run = run_once(config.clone(), &mut shutdown, &confirmed, &partitioner);
         let error = match run.await {
             Ok(()) => return Ok(()),
@@ -922,17 +976,23 @@ pub async fn run(config: Config) -> Result<(), RunError> {
         let Verdict::Retry(cause) = error.verdict() else {
             return Err(error);
         };
-        if started.elapsed() >= HEALTHY_RUN {
-            backoff = RESTART_BACKOFF;
-        }
         metrics::counter!(observe::CONNECTOR_RESTARTS, "cause" => cause).increment(1);
+        let backoff = match outage.failed(started, Instant::now()) {
+            Next::Wait(d) => d,
+            Next::GiveUp(lasted) => {
+                return Err(RunError::GaveUp {
+                    lasted_secs: lasted.as_secs(),
+                    limit_secs: config.source.give_up_after_secs,
+                    last: Box::new(error),
+                })
+            }
+        };
         tracing::warn!(%error, cause, retry_in_ms = backoff.as_millis() as u64, "a service the connector needs failed or cannot be reached; restarting from the slot's confirmed LSN");
         observe::board::set_phase(observe::board::Phase::Restarting);
         tokio::select! {
             _ = shutdown.requested() => return Ok(()),
             _ = tokio::time::sleep(backoff) => {}
         }
-        backoff = (backoff * 2).min(RESTART_MAX_BACKOFF);
     }
 }
 
@@ -2888,6 +2948,43 @@ async fn on_message(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_outage_gives_up_at_its_limit_and_a_healthy_run_ends_it() {
+        let s = Duration::from_secs;
+        let t0 = Instant::now();
+        // Never, however long it lasts: the backoff doubles to 30 s.
+        let mut forever = Outage::new(0);
+        let waits: Vec<Next> = (0..7)
+            .map(|n| forever.failed(t0 + s(n * 40), t0 + s(n * 40 + 1)))
+            .collect();
+        assert_eq!(
+            waits,
+            [1, 2, 4, 8, 16, 30, 30].map(|n| Next::Wait(s(n))),
+            "no give-up without a limit"
+        );
+        assert_eq!(forever.failed(t0, t0 + s(100_000)), Next::Wait(s(1)));
+
+        // A limit of 10 s: attempts at 0, 1, 3 and 7 s, then one at the
+        // limit itself (the wait cut to 3 s), then stop.
+        let mut outage = Outage::new(10);
+        assert_eq!(outage.failed(t0, t0), Next::Wait(s(1)));
+        assert_eq!(outage.failed(t0 + s(1), t0 + s(1)), Next::Wait(s(2)));
+        assert_eq!(outage.failed(t0 + s(3), t0 + s(3)), Next::Wait(s(4)));
+        assert_eq!(outage.failed(t0 + s(7), t0 + s(7)), Next::Wait(s(3)));
+        assert_eq!(outage.failed(t0 + s(10), t0 + s(10)), Next::GiveUp(s(10)));
+
+        // An attempt that ran for a minute ended the outage: the count
+        // starts again from its failure, and so does the backoff.
+        let mut outage = Outage::new(10);
+        assert_eq!(outage.failed(t0, t0 + s(1)), Next::Wait(s(1)));
+        assert_eq!(outage.failed(t0 + s(2), t0 + s(5)), Next::Wait(s(2)));
+        assert_eq!(outage.failed(t0 + s(5), t0 + s(70)), Next::Wait(s(1)));
+        assert_eq!(outage.failed(t0 + s(71), t0 + s(72)), Next::Wait(s(2)));
+        assert_eq!(outage.failed(t0 + s(74), t0 + s(74)), Next::Wait(s(4)));
+        assert_eq!(outage.failed(t0 + s(78), t0 + s(78)), Next::Wait(s(2)));
+        assert_eq!(outage.failed(t0 + s(80), t0 + s(80)), Next::GiveUp(s(10)));
+    }
 
     #[test]
     fn a_reused_row_buffer_keeps_its_allocation() {

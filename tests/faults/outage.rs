@@ -223,3 +223,58 @@ async fn a_registry_outage_delays_new_schemas_and_restarts_and_loses_nothing() {
     target_db.drop_db().await;
     store.drop_db().await;
 }
+
+/// `source.give_up_after_secs`: a connector whose source never answers
+/// stops with the last error once the outage has lasted that long; one
+/// without the setting still retries then.
+#[tokio::test]
+async fn a_connector_gives_up_once_an_outage_outlasts_give_up_after_secs() {
+    let stack = support::stack();
+    // Nothing listens there: every attempt is refused at once.
+    let (closed, secret) = (support::free_port(), "give-up-secret");
+    let url = format!("postgres://pgcdc:{secret}@127.0.0.1:{closed}/nowhere");
+    let toml = support::pipeline_toml(&stack, &url, "give_up", &["public.t"]);
+    let limited = support::ConfigFile::write(
+        &toml.replace("[source]\n", "[source]\ngive_up_after_secs = 4\n"),
+    );
+    let unlimited = support::ConfigFile::write(&toml);
+    let mut forever = support::ConnectorProcess::start(&unlimited);
+    let started = Instant::now();
+    let run = tokio::time::timeout(
+        Duration::from_secs(60),
+        support::pgcdc(&["run", "--config", limited.arg()]),
+    )
+    .await
+    .expect("the connector did not give up within 60 s");
+    let took = started.elapsed();
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    assert!(
+        run.stderr
+            .contains("gave up after an outage of 4 s (source.give_up_after_secs = 4); the last error: postgres:"),
+        "{}",
+        run.stderr
+    );
+    // Attempts at 0, 1, 3 s, then one at the limit itself.
+    assert_eq!(
+        run.stderr
+            .matches("restarting from the slot's confirmed LSN")
+            .count(),
+        3,
+        "{}",
+        run.stderr
+    );
+    assert!(
+        took >= Duration::from_secs(4) && took < Duration::from_secs(30),
+        "gave up after {took:?}"
+    );
+    assert!(!run.all_output().contains(secret), "{}", run.all_output());
+    still_running(&mut forever.child, "connector without give_up_after_secs");
+    assert!(
+        forever
+            .log()
+            .contains("restarting from the slot's confirmed LSN"),
+        "{}",
+        forever.log()
+    );
+    assert_eq!(forever.terminate().await, 0);
+}
