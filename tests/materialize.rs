@@ -83,8 +83,17 @@ pub(crate) async fn differences(
     source: &tokio_postgres::Client,
     target: &tokio_postgres::Client,
 ) -> Vec<String> {
+    differences_in(CHECKS, source, target).await
+}
+
+/// [`differences`] under other checks.
+async fn differences_in(
+    checks: &[(&str, &str, &str)],
+    source: &tokio_postgres::Client,
+    target: &tokio_postgres::Client,
+) -> Vec<String> {
     let mut out = Vec::new();
-    for (what, s, t) in CHECKS {
+    for (what, s, t) in checks {
         let (a, b) = (checksum(source, s).await, checksum(target, t).await);
         if a != b {
             out.push(format!("{what}: source {a:?}, target {b:?}"));
@@ -97,22 +106,31 @@ pub(crate) async fn wait_converged(
     source: &tokio_postgres::Client,
     target: &tokio_postgres::Client,
 ) {
+    let views = ["read_models.customer_stats", "read_models.order_summary"];
+    wait_matching(source, target, CHECKS, &views).await
+}
+
+/// Waits until `checks` find no difference, once every table of `views`
+/// exists (the materializer creates read models one after the other).
+async fn wait_matching(
+    source: &tokio_postgres::Client,
+    target: &tokio_postgres::Client,
+    checks: &[(&str, &str, &str)],
+    views: &[&str],
+) {
     // Generous: in debug builds, beside the other tests, on two cores.
     let deadline = std::time::Instant::now() + Duration::from_secs(600);
     loop {
-        // Target tables appear once the materializer has started.
         let ready = target
             .query_one(
-                // Both: read models are created one after the other.
-                "SELECT to_regclass('read_models.customer_stats') IS NOT NULL
-                    AND to_regclass('read_models.order_summary') IS NOT NULL",
-                &[],
+                "SELECT bool_and(to_regclass(v) IS NOT NULL) FROM unnest($1::text[]) v",
+                &[&views],
             )
             .await
             .expect("target")
             .get::<_, bool>(0);
         if ready {
-            let diff = differences(source, target).await;
+            let diff = differences_in(checks, source, target).await;
             if diff.is_empty() {
                 return;
             }
@@ -1474,4 +1492,237 @@ async fn fresh_rows_go_in_by_copy_intact_and_the_guard_still_holds() {
         ]
     );
     db.drop_db().await;
+}
+
+/// Two tenants' tables keyed by (tenant, id): the same ids recur in every
+/// tenant, and tenants are named to trip up a key written as text.
+const TENANTS: [&str; 5] = ["acme", "it's", r#"a "b", c"#, r#"["x"]"#, "日本"];
+
+const TENANT_MODELS: &str = r#"
+[read_models.tenant_customer_stats]
+table = "read_models.tenant_customer_stats"
+key = ["tenant", "customer_id"]
+query = """
+SELECT c.tenant, c.id AS customer_id, c.name, count(o.id) AS order_count,
+       coalesce(sum(o.amount), 0) AS total
+FROM mirror.t_customers c
+LEFT JOIN mirror.t_orders o ON o.tenant = c.tenant AND o.customer_id = c.id
+WHERE (c.tenant, c.id) IN (SELECT * FROM unnest($1::text[], $2::int[]))
+GROUP BY c.tenant, c.id, c.name
+"""
+sources = [
+  { table = "public.t_customers", key_columns = ["tenant", "id"] },
+  { table = "public.t_orders", key_columns = ["tenant", "customer_id"] },
+]
+
+[read_models.tenant_orders]
+table = "read_models.tenant_orders"
+key = ["tenant", "order_id"]
+query = """
+SELECT o.tenant, o.id AS order_id, c.name AS customer_name, o.amount
+FROM mirror.t_orders o
+LEFT JOIN mirror.t_customers c ON c.tenant = o.tenant AND c.id = o.customer_id
+WHERE (o.tenant, o.id) IN (SELECT * FROM unnest($1::text[], $2::bigint[]))
+"""
+sources = [
+  { table = "public.t_orders", key_columns = ["tenant", "id"] },
+  { table = "public.t_customers", affected_keys = "SELECT tenant, id FROM mirror.t_orders WHERE tenant = $1 AND customer_id = $2" },
+]
+
+[read_models.tenant_order_doc]
+table = "read_models.tenant_order_doc"
+key = ["tenant", "order_id"]
+query = """
+SELECT o.tenant, o.id AS order_id, json_build_object('customer', o.customer_id) AS doc
+FROM mirror.t_orders o
+WHERE (o.tenant, o.id) IN (SELECT * FROM unnest($1::text[], $2::bigint[]))
+"""
+sources = [{ table = "public.t_orders", key_columns = ["tenant", "id"] }]
+"#;
+
+/// `(what, source SQL, target SQL)`, as [`CHECKS`].
+const TENANT_CHECKS: [(&str, &str, &str); 3] = [
+    (
+        "tenant_customer_stats",
+        "SELECT c.tenant, c.id, c.name, count(o.id), coalesce(sum(o.amount), 0)
+         FROM public.t_customers c
+         LEFT JOIN public.t_orders o ON o.tenant = c.tenant AND o.customer_id = c.id
+         GROUP BY c.tenant, c.id, c.name",
+        "SELECT tenant, customer_id, name, order_count, total FROM read_models.tenant_customer_stats",
+    ),
+    (
+        "tenant_orders",
+        "SELECT o.tenant, o.id, c.name, o.amount FROM public.t_orders o
+         LEFT JOIN public.t_customers c ON c.tenant = o.tenant AND c.id = o.customer_id",
+        "SELECT tenant, order_id, customer_name, amount FROM read_models.tenant_orders",
+    ),
+    (
+        "tenant_order_doc",
+        "SELECT tenant, id, json_build_object('customer', customer_id)::text FROM public.t_orders",
+        "SELECT tenant, order_id, doc::text FROM read_models.tenant_order_doc",
+    ),
+];
+
+/// Waits until every [`TENANT_CHECKS`] view holds what its query gives on
+/// the source.
+async fn wait_tenant_views(source: &tokio_postgres::Client, target: &tokio_postgres::Client) {
+    let views = TENANT_CHECKS.map(|(what, ..)| format!("read_models.{what}"));
+    let views: Vec<&str> = views.iter().map(String::as_str).collect();
+    wait_matching(source, target, &TENANT_CHECKS, &views).await
+}
+
+fn literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// One random change of the tenant tables, ids drawn from small ranges so
+/// that every tenant holds the same ids and changes meet existing rows.
+fn tenant_statement(rng: &mut Rng) -> String {
+    let tenant = literal(TENANTS[rng.below(TENANTS.len() as u64) as usize]);
+    let other = literal(TENANTS[rng.below(TENANTS.len() as u64) as usize]);
+    let (order, customer) = (1 + rng.below(40), 1 + rng.below(6));
+    match rng.below(10) {
+        0..=2 => format!(
+            "INSERT INTO public.t_orders VALUES ({tenant}, {order}, {customer}, {}.{:02})
+             ON CONFLICT (tenant, id) DO UPDATE SET amount = excluded.amount;",
+            rng.below(500),
+            rng.below(100)
+        ),
+        3 => format!(
+            "UPDATE public.t_orders SET amount = amount + 1 WHERE tenant = {tenant} AND id = {order};"
+        ),
+        4 => format!(
+            "UPDATE public.t_orders SET customer_id = {customer} WHERE tenant = {tenant} AND id = {order};"
+        ),
+        5 => format!("DELETE FROM public.t_orders WHERE tenant = {tenant} AND id = {order};"),
+        // A key change: the order moves to another tenant.
+        6 => format!(
+            "UPDATE public.t_orders SET tenant = {other} WHERE tenant = {tenant} AND id = {order}
+             AND NOT EXISTS (SELECT 1 FROM public.t_orders WHERE tenant = {other} AND id = {order});"
+        ),
+        7 => format!(
+            "UPDATE public.t_customers SET name = 'renamed, \"{}\"' WHERE tenant = {tenant} AND id = {customer};",
+            rng.below(100)
+        ),
+        8 => format!(
+            "INSERT INTO public.t_customers VALUES ({tenant}, {customer}, 'new {customer}')
+             ON CONFLICT (tenant, id) DO NOTHING;"
+        ),
+        _ => format!("DELETE FROM public.t_customers WHERE tenant = {tenant} AND id = {customer};"),
+    }
+}
+
+/// Read models keyed by two columns, (tenant, id): a mapping by the
+/// mirror's own composite key, one by two non-key columns (indexed as a
+/// pair), one by a query taking both columns of the changed row's key,
+/// and one recomputed by delete and insert (a `json` column); snapshot,
+/// streamed changes, key changes and a truncate all land, and tenants
+/// sharing ids never mix. A query taking more key columns than its
+/// source's key has is refused at start-up, naming its field.
+#[tokio::test]
+async fn read_models_with_composite_keys_track_their_queries() {
+    let stack = support::stack();
+    let source_db = TestDb::create(&stack, "mat_composite_src").await;
+    let target_db = TestDb::create(&stack, "mat_composite_tgt").await;
+    let (source, target) = (source_db.client().await, target_db.client().await);
+    source
+        .batch_execute(
+            "CREATE TABLE public.t_customers (tenant text, id int, name text, PRIMARY KEY (tenant, id));
+             CREATE TABLE public.t_orders (tenant text, id bigint, customer_id int,
+                                           amount numeric(10,2), PRIMARY KEY (tenant, id));",
+        )
+        .await
+        .expect("schema");
+    for tenant in TENANTS {
+        let t = literal(tenant);
+        source
+            .batch_execute(&format!(
+                "INSERT INTO public.t_customers SELECT {t}, i, 'customer ' || i FROM generate_series(1, 3) i;
+                 INSERT INTO public.t_orders SELECT {t}, i, 1 + i % 3, i * 10 FROM generate_series(1, 5) i;"
+            ))
+            .await
+            .expect("seed");
+    }
+    let pipeline = format!(
+        "{}\n[target]\nurl = \"{}\"\nbatch_size = 20\n",
+        support::pipeline_toml(
+            &stack,
+            &source_db.url,
+            &source_db.name,
+            &["public.t_customers", "public.t_orders"]
+        ),
+        target_db.url
+    );
+    let config = ConfigFile::write(&format!("{pipeline}{TENANT_MODELS}"));
+    let connector = ConnectorProcess::start(&config);
+    let m = materializer(&config, &[], &[]);
+    wait_tenant_views(&source, &target).await;
+
+    let mut rng = Rng(0x7e4a47);
+    for _ in 0..40 {
+        let mut sql = String::from("BEGIN;");
+        for _ in 0..(1 + rng.below(20)) {
+            sql.push_str(&tenant_statement(&mut rng));
+        }
+        sql.push_str("COMMIT;");
+        source.batch_execute(&sql).await.expect("workload");
+    }
+    wait_tenant_views(&source, &target).await;
+    // Every tenant kept its own rows under the shared ids.
+    let shared: i64 = source
+        .query_one(
+            "SELECT count(*) FROM (SELECT id FROM public.t_orders GROUP BY id HAVING count(*) > 1) s",
+            &[],
+        )
+        .await
+        .expect("shared ids")
+        .get(0);
+    assert!(shared > 0, "the workload left no order id in two tenants");
+    let index: i64 = target
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = 'mirror' AND tablename = 't_orders'
+             AND indexdef LIKE '%(tenant, customer_id)%'",
+            &[],
+        )
+        .await
+        .expect("indexes")
+        .get(0);
+    assert_eq!(index, 1, "the (tenant, customer_id) mapping is indexed");
+
+    source
+        .batch_execute(&format!(
+            "TRUNCATE public.t_orders;
+             INSERT INTO public.t_orders VALUES ({}, 1, 2, 5.50), ({}, 1, 2, 6.25);",
+            literal(TENANTS[1]),
+            literal(TENANTS[2])
+        ))
+        .await
+        .expect("truncate");
+    wait_tenant_views(&source, &target).await;
+    assert_eq!(terminate(m).await, Some(0));
+
+    // $3 where the changed row's key has two columns.
+    let bad = ConfigFile::write(&format!(
+        "{pipeline}{}",
+        TENANT_MODELS.replace(
+            "WHERE tenant = $1 AND customer_id = $2\"",
+            "WHERE tenant = $1 AND customer_id = $2 AND id = $3\""
+        )
+    ));
+    let run = tokio::time::timeout(
+        Duration::from_secs(120),
+        support::pgcdc(&["materialize", "--config", bad.arg()]),
+    )
+    .await
+    .expect("a refused configuration stops the materializer");
+    assert_ne!(run.code, 0, "{}", run.all_output());
+    assert!(
+        run.stderr
+            .contains("read_models.tenant_orders.sources[1].affected_keys: takes 3 parameters"),
+        "{}",
+        run.all_output()
+    );
+    assert_eq!(connector.terminate().await, 0);
+    source_db.drop_db().await;
+    target_db.drop_db().await;
 }

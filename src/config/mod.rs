@@ -867,11 +867,14 @@ fn default_mirror_schema() -> String {
 pub struct ReadModelConfig {
     /// Target table, `schema.table`.
     pub table: String,
-    /// The target table's key column, as a list of one (composite keys
-    /// are not supported yet).
+    /// The target table's key columns (its primary key): one, or several
+    /// for a composite key.
     pub key: Vec<String>,
     /// SQL over the mirror tables returning the rows for the keys in `$1`
-    /// (an array of the key; single-column keys only for now).
+    /// (an array of the key's values); for a composite key, `$1`, `$2`,
+    /// ... are arrays of each key column's values in `key` order, the
+    /// same element of each making one key (`WHERE (a, b) IN (SELECT *
+    /// FROM unnest($1::int[], $2::text[]))`).
     pub query: String,
     /// How a change to each source table maps to affected keys.
     pub sources: Vec<ReadModelSource>,
@@ -892,7 +895,9 @@ pub struct ReadModelSource {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_columns: Option<Vec<String>>,
     /// SQL over the mirror tables returning the affected view keys for the
-    /// changed row's primary key in `$1`.
+    /// changed row's primary key: `$1` is its first column, `$2` its
+    /// second, ... (the query takes as many as it needs). Each row of the
+    /// result is one view key, a column per key column in `key` order.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affected_keys: Option<String>,
 }
@@ -1230,9 +1235,18 @@ impl Config {
                 );
             }
             v.check(
-                rm.key.len() == 1,
+                !rm.key.is_empty(),
                 &format!("{base}.key"),
-                "must name exactly one column (composite read-model keys are not supported yet)",
+                "must name at least one column",
+            );
+            v.check(
+                rm.key
+                    .iter()
+                    .collect::<std::collections::HashSet<_>>()
+                    .len()
+                    == rm.key.len(),
+                &format!("{base}.key"),
+                "names a column twice",
             );
             v.check(
                 !rm.query.trim().is_empty(),
@@ -2401,17 +2415,22 @@ url = "http://127.0.0.1:8081"
                 "partitioning.\"public.orders\"",
             ),
             (
-                "a composite read-model key",
+                "a read-model key naming a column twice",
                 append(&format!(
                     "{TARGET}{}",
                     MODEL
-                        .replace("key = [\"id\"]", "key = [\"region\", \"id\"]")
-                        .replace(
-                            "key_columns = [\"id\"]",
-                            "key_columns = [\"region\", \"id\"]"
-                        )
+                        .replace("key = [\"id\"]", "key = [\"id\", \"id\"]")
+                        .replace("key_columns = [\"id\"]", "key_columns = [\"id\", \"id\"]")
                 )),
                 "read_models.m.key",
+            ),
+            (
+                "key_columns shorter than a composite key",
+                append(&format!(
+                    "{TARGET}{}",
+                    MODEL.replace("key = [\"id\"]", "key = [\"region\", \"id\"]")
+                )),
+                "read_models.m.sources[0].key_columns",
             ),
             (
                 "batch of nothing",
@@ -2434,6 +2453,16 @@ url = "http://127.0.0.1:8081"
                 "outbox.\"public.events\"",
             ),
         ];
+        // The same model with a composite key whose mappings agree with it.
+        let composite = MODEL
+            .replace("key = [\"id\"]", "key = [\"region\", \"id\"]")
+            .replace(
+                "key_columns = [\"id\"]",
+                "key_columns = [\"region\", \"id\"]",
+            );
+        if let Err(e) = load(&append(&format!("{TARGET}{composite}")), &[]) {
+            panic!("a composite read-model key: {:?}", paths(e));
+        }
         for (what, text, path) in cases {
             match load(&text, &[]) {
                 Ok(_) => panic!("{what}: accepted"),

@@ -86,14 +86,20 @@ impl Mirror {
         })
     }
 
-    /// True when `column` is the whole key and holds integers or text,
-    /// whose text a change's key carries exactly as the mirror would give
-    /// it back: a row's view key under a mapping by this column is then the
-    /// change's key itself, with no need to read it from the mirror.
-    pub fn key_is(&self, column: &str) -> bool {
-        matches!(self.key.as_slice(), [i]
-            if self.columns[*i].name == column
-                && matches!(self.columns[*i].sql_type.as_str(), "smallint" | "integer" | "bigint" | "text"))
+    /// True when `columns` are the whole key, in its order, and hold
+    /// integers or text, whose text a change's key carries exactly as the
+    /// mirror would give it back: a row's view key under a mapping by
+    /// these columns is then the change's key itself, with no need to read
+    /// it from the mirror.
+    pub fn key_columns_are(&self, columns: &[String]) -> bool {
+        self.key.len() == columns.len()
+            && self.key.iter().zip(columns).all(|(&i, name)| {
+                self.columns[i].name == *name
+                    && matches!(
+                        self.columns[i].sql_type.as_str(),
+                        "smallint" | "integer" | "bigint" | "text"
+                    )
+            })
     }
 
     /// Creates the mirror if missing and adds columns a newer schema has.

@@ -925,6 +925,10 @@ async fn prepare_locked(config: &Config, db: &Client) -> Result<Prepared, Materi
                 .map_err(MaterializeError::Config)?,
         );
     }
+    for view in &views {
+        view.check_sources(|table| mirrors.values().find(|m| m.source == table))
+            .map_err(MaterializeError::Config)?;
+    }
     index_view_columns(db, &mirrors, &views).await?;
     Ok(Prepared {
         registry,
@@ -1428,21 +1432,25 @@ async fn index_view_columns(
 ) -> Result<(), MaterializeError> {
     for view in views {
         for (table, mapping) in &view.sources {
-            let view::Mapping::Column(col) = mapping else {
+            let view::Mapping::Columns(cols) = mapping else {
                 continue;
             };
             let Some(m) = mirrors.values().find(|m| &m.source == table) else {
                 continue;
             };
-            if m.key.len() == 1 && &m.columns[m.key[0]].name == col {
-                continue; // the primary key already is one
+            let key: Vec<&str> = m.key.iter().map(|&i| m.columns[i].name.as_str()).collect();
+            if key.starts_with(&cols.iter().map(String::as_str).collect::<Vec<_>>()) {
+                continue; // the primary key's index serves it
             }
-            let name = index_name(&m.table, col);
+            let name = index_name(&m.table, &cols.join("_"));
             let sql = format!(
                 "CREATE INDEX IF NOT EXISTS {} ON {} ({})",
                 crate::source::slot::quote_ident(&name),
                 m.qualified,
-                crate::source::slot::quote_ident(col)
+                cols.iter()
+                    .map(|c| crate::source::slot::quote_ident(c))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
             if let Err(e) = db.batch_execute(&sql).await {
                 // Another instance starting at the same moment made it.
@@ -2340,7 +2348,7 @@ async fn view_keys_many(
         for (t, mapping) in &view.sources {
             if t == &m.source {
                 let keys = match mapping {
-                    view::Mapping::Column(_) => &stored,
+                    view::Mapping::Columns(_) => &stored,
                     view::Mapping::Query { .. } => &keys,
                 };
                 view.keys_of_many(tx, statements, mapping, m, keys, out)

@@ -44,7 +44,7 @@ pub enum ViewError {
 async fn diff_statement(
     client: &tokio_postgres::Client,
     qualified: &str,
-    key: &str,
+    key: &[String],
     query: &str,
 ) -> Option<String> {
     let columns: Vec<String> = client
@@ -59,8 +59,8 @@ async fn diff_statement(
         .iter()
         .map(|r| quote_ident(&r.get::<_, String>(0)))
         .collect();
-    let key = quote_ident(key);
-    let rest: Vec<&String> = columns.iter().filter(|c| **c != key).collect();
+    let key: Vec<String> = key.iter().map(|k| quote_ident(k)).collect();
+    let rest: Vec<&String> = columns.iter().filter(|c| !key.contains(c)).collect();
     let list =
         |item: fn(&str) -> String| rest.iter().map(|c| item(c)).collect::<Vec<_>>().join(", ");
     let on_conflict = if rest.is_empty() {
@@ -74,14 +74,32 @@ async fn diff_statement(
         )
     };
     let cols = columns.join(", ");
+    let gone = match &key[..] {
+        [k] => format!("v.{k} = ANY(ARRAY(SELECT unnest($1) EXCEPT SELECT f.{k} FROM fresh f))"),
+        _ => format!(
+            "({}) IN (SELECT * FROM unnest({}) EXCEPT SELECT {} FROM fresh f)",
+            key.iter()
+                .map(|k| format!("v.{k}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            (1..=key.len())
+                .map(|n| format!("${n}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            key.iter()
+                .map(|k| format!("f.{k}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+        ),
+    };
     // A newline before the closing parenthesis: the query may end in a
     // line comment.
     let sql = format!(
         "WITH fresh ({cols}) AS ({query}\n),
-         gone AS (DELETE FROM {qualified} v
-                  WHERE v.{key} = ANY(ARRAY(SELECT unnest($1) EXCEPT SELECT f.{key} FROM fresh f)))
+         gone AS (DELETE FROM {qualified} v WHERE {gone})
          INSERT INTO {qualified} AS v ({cols}) SELECT {cols} FROM fresh
-         ON CONFLICT ({key}) {on_conflict}"
+         ON CONFLICT ({}) {on_conflict}",
+        key.join(", ")
     );
     match client.prepare(&sql).await {
         Ok(_) => Some(sql),
@@ -92,31 +110,100 @@ async fn diff_statement(
     }
 }
 
+/// A view key in the sets of affected keys: the key column's text, or
+/// for a composite key a JSON array of its columns' texts (as mirrors
+/// write their keys in tombstones). `None` when a part is NULL: no view
+/// row has a NULL key column.
+pub fn view_key(parts: &[Option<String>]) -> Option<String> {
+    match parts {
+        [one] => one.clone(),
+        _ => {
+            let parts: Option<Vec<&String>> = parts.iter().map(Option::as_ref).collect();
+            Some(serde_json::to_string(&parts?).unwrap_or_default())
+        }
+    }
+}
+
+/// The view key of a row's columns `first..first + n`, read as text.
+fn key_in_row(row: &tokio_postgres::Row, first: usize, n: usize) -> Option<String> {
+    let parts: Vec<Option<String>> = (first..first + n).map(|i| row.get(i)).collect();
+    view_key(&parts)
+}
+
+/// [`view_key`] split into its columns' texts, column by column: one
+/// array per key column, for the queries' `$1`, `$2`, ...
+fn key_columns_of(keys: &[String], n: usize) -> Result<Vec<Vec<String>>, String> {
+    if n == 1 {
+        return Ok(vec![keys.to_vec()]);
+    }
+    let mut columns = vec![Vec::with_capacity(keys.len()); n];
+    for k in keys {
+        let parts: Vec<String> =
+            serde_json::from_str(k).map_err(|e| format!("key {k}: not a composite key: {e}"))?;
+        if parts.len() != n {
+            return Err(format!("key {k}: {} columns, not {n}", parts.len()));
+        }
+        for (column, part) in columns.iter_mut().zip(parts) {
+            column.push(part);
+        }
+    }
+    Ok(columns)
+}
+
 /// How a changed source row maps to view keys.
 #[derive(Debug, Clone)]
 pub enum Mapping {
-    /// The mirror row's column whose value is the view key.
-    Column(String),
-    /// SQL over the mirrors: `$1` is the changed row's key, each row of
-    /// the result a view key (wrapped to return text).
-    Query { sql: String, param: Type },
+    /// The mirror row's columns whose values are the view key, in the
+    /// key's order.
+    Columns(Vec<String>),
+    /// SQL over the mirrors: `$1`, `$2`, ... are the changed row's key
+    /// columns (as many as the query takes, in the mirror key's order),
+    /// each row of the result a view key (wrapped to return its columns
+    /// as text).
+    Query { sql: String, params: Vec<Type> },
 }
 
 #[derive(Debug, Clone)]
 pub struct View {
     pub name: String,
     pub qualified: String,
-    pub key: String,
+    /// The key's columns (one, or several for a composite key).
+    pub key: Vec<String>,
     query: String,
-    /// The type of the query's `$1` (an array of keys).
-    param: Type,
-    delete_param: Type,
+    /// The types of the query's `$1`, `$2`, ... (an array of each key
+    /// column's values).
+    param: Vec<Type>,
+    /// Deletes the rows of some keys (see [`delete_statement`]).
+    delete: String,
+    delete_param: Vec<Type>,
     /// The recompute as one statement that writes only what changed (see
     /// [`diff_statement`]); `None` where the target cannot take it, and the
     /// recompute deletes and reinserts every affected row instead.
     diff: Option<String>,
     /// Source table (`schema.table`) → mapping.
     pub sources: Vec<(String, Mapping)>,
+}
+
+/// Deletes the view rows of the keys in `$1` (of a composite key: the
+/// rows whose columns are the same elements of `$1`, `$2`, ..., each a
+/// text array cast to its column's type).
+fn delete_statement(qualified: &str, key: &[String], types: &[String]) -> String {
+    match key {
+        [k] => format!("DELETE FROM {qualified} WHERE {} = ANY($1)", quote_ident(k)),
+        _ => format!(
+            "DELETE FROM {qualified} WHERE ({}) IN (SELECT * FROM unnest({}))",
+            key.iter()
+                .map(|k| quote_ident(k))
+                .collect::<Vec<_>>()
+                .join(", "),
+            types
+                .iter()
+                .enumerate()
+                .map(|(n, t)| format!("${}::text[]::{t}[]", n + 1))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
 }
 
 /// A key value (as text) bound as the parameter type Postgres inferred.
@@ -134,6 +221,27 @@ fn bind_one(ty: &Type, text: &str) -> Result<Box<dyn ToSql + Sync + Send>, Strin
             ))
         }
     })
+}
+
+/// The first `params.len()` columns of a mirror key bound as `params`;
+/// `None` when a value does not fit its type (the key has no rows to map).
+fn bind_row(params: &[Type], key: &[String]) -> Option<Vec<Box<dyn ToSql + Sync + Send>>> {
+    if key.len() < params.len() {
+        return None;
+    }
+    params
+        .iter()
+        .zip(key)
+        .map(|(ty, k)| bind_one(ty, k).ok())
+        .collect()
+}
+
+/// Bound values as a statement's parameters.
+fn refs(bound: &[Box<dyn ToSql + Sync + Send>]) -> Vec<&(dyn ToSql + Sync)> {
+    bound
+        .iter()
+        .map(|b| b.as_ref() as &(dyn ToSql + Sync))
+        .collect()
 }
 
 /// Keys (as text) bound as the array type Postgres inferred.
@@ -175,32 +283,37 @@ impl View {
         let (schema, table) = crate::config::split_table(&rm.table)
             .ok_or_else(|| format!("{}: must be schema.table", field("table")))?;
         let qualified = format!("{}.{}", quote_ident(&schema), quote_ident(&table));
-        let key = rm
-            .key
-            .first()
-            .cloned()
-            .ok_or_else(|| format!("{}: needs one column", field("key")))?;
-        if rm.key.len() > 1 {
-            return Err(format!(
-                "{}: composite view keys are not supported yet",
-                field("key")
-            ));
+        let key = rm.key.clone();
+        if key.is_empty() {
+            return Err(format!("{}: needs at least one column", field("key")));
         }
         let stmt = client
             .prepare(&rm.query)
             .await
             .map_err(|e| format!("{}: {}", field("query"), crate::source::error_text(&e)))?;
-        let param = match stmt.params() {
-            [p] => p.clone(),
-            other => {
-                return Err(format!(
+        let param = stmt.params().to_vec();
+        if param.len() != key.len() {
+            return Err(match key.len() {
+                1 => format!(
                     "{}: must take exactly one parameter ($1, the array of keys); it takes {}",
                     field("query"),
-                    other.len()
-                ))
-            }
-        };
-        bind_many(&param, &[]).map_err(|e| format!("{}: {e}", field("query")))?;
+                    param.len()
+                ),
+                n => format!(
+                    "{}: must take {n} parameters ($1 to ${n}, an array of each key column's values, in key order); it takes {}",
+                    field("query"),
+                    param.len()
+                ),
+            });
+        }
+        for p in &param {
+            bind_many(p, &[]).map_err(|e| format!("{}: {e}", field("query")))?;
+        }
+        let key_list = key
+            .iter()
+            .map(|k| quote_ident(k))
+            .collect::<Vec<_>>()
+            .join(", ");
         let statement = format!(
             "pgcdc_view_{}",
             name.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
@@ -209,10 +322,11 @@ impl View {
             .batch_execute(&format!(
                 "CREATE SCHEMA IF NOT EXISTS {schema_q};
                  PREPARE {statement} AS {query};
-                 CREATE TABLE IF NOT EXISTS {qualified} AS EXECUTE {statement}(NULL) WITH NO DATA;
+                 CREATE TABLE IF NOT EXISTS {qualified} AS EXECUTE {statement}({nulls}) WITH NO DATA;
                  DEALLOCATE {statement};",
                 schema_q = quote_ident(&schema),
                 query = rm.query,
+                nulls = vec!["NULL"; key.len()].join(", "),
             ))
             .await
             .map_err(|e| format!("{}: {}", field("table"), crate::source::error_text(&e)))?;
@@ -227,21 +341,37 @@ impl View {
         if !has_pk {
             client
                 .batch_execute(&format!(
-                    "ALTER TABLE {qualified} ADD PRIMARY KEY ({})",
-                    quote_ident(&key)
+                    "ALTER TABLE {qualified} ADD PRIMARY KEY ({key_list})"
                 ))
                 .await
                 .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?;
         }
+        let mut key_types = Vec::new();
+        for k in &key {
+            let ty: Option<String> = client
+                .query_opt(
+                    "SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+                     WHERE attrelid = $1::text::regclass AND attname = $2 AND NOT attisdropped",
+                    &[&qualified, k],
+                )
+                .await
+                .map_err(|e| crate::source::error_text(&e))?
+                .map(|r| r.get(0));
+            key_types.push(ty.ok_or_else(|| {
+                format!(
+                    "{}: {k} is not a column of {} (the query's columns)",
+                    field("key"),
+                    rm.table
+                )
+            })?);
+        }
+        let delete = delete_statement(&qualified, &key, &key_types);
         let delete_param = client
-            .prepare(&format!(
-                "DELETE FROM {qualified} WHERE {} = ANY($1)",
-                quote_ident(&key)
-            ))
+            .prepare(&delete)
             .await
             .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?
-            .params()[0]
-            .clone();
+            .params()
+            .to_vec();
         let diff = diff_statement(client, &qualified, &key, &rm.query).await;
         if diff.is_none() {
             tracing::info!(read_model = %name, "the read model is recomputed by delete and insert (its columns cannot be compared, or its query does not fit one statement)");
@@ -249,9 +379,18 @@ impl View {
         let mut sources = Vec::new();
         for (i, s) in rm.sources.iter().enumerate() {
             let mapping = match (&s.key_columns, &s.affected_keys) {
-                (Some(cols), _) => Mapping::Column(cols.first().cloned().unwrap_or_default()),
+                (Some(cols), _) => Mapping::Columns(cols.clone()),
                 (None, Some(sql)) => {
-                    let wrapped = format!("SELECT k::text FROM ({sql}) AS q(k)");
+                    let names: Vec<String> = (1..=key.len()).map(|n| format!("k{n}")).collect();
+                    let wrapped = format!(
+                        "SELECT {} FROM ({sql}) AS q({})",
+                        names
+                            .iter()
+                            .map(|k| format!("{k}::text"))
+                            .collect::<Vec<_>>()
+                            .join(", "),
+                        names.join(", ")
+                    );
                     let stmt = client.prepare(&wrapped).await.map_err(|e| {
                         format!(
                             "{}: {}",
@@ -259,14 +398,16 @@ impl View {
                             crate::source::error_text(&e)
                         )
                     })?;
-                    let param = stmt.params().first().cloned().unwrap_or(Type::TEXT);
+                    let params = stmt.params().to_vec();
                     // Integers and text take "0"; other types are refused.
-                    bind_one(&param, "0").map_err(|e| {
-                        format!("{}: {e}", field(&format!("sources[{i}].affected_keys")))
-                    })?;
+                    for p in &params {
+                        bind_one(p, "0").map_err(|e| {
+                            format!("{}: {e}", field(&format!("sources[{i}].affected_keys")))
+                        })?;
+                    }
                     Mapping::Query {
                         sql: wrapped,
-                        param,
+                        params,
                     }
                 }
                 (None, None) => continue,
@@ -279,10 +420,48 @@ impl View {
             key,
             query: rm.query.clone(),
             param,
+            delete,
             delete_param,
             diff,
             sources,
         })
+    }
+
+    /// Checks each source's mapping against its mirror (`mirrors` by
+    /// source table): `key_columns` names columns the mirror has, and an
+    /// `affected_keys` query takes no more parameters than the mirror's
+    /// key has columns.
+    pub fn check_sources<'a>(
+        &self,
+        mirrors: impl Fn(&str) -> Option<&'a Mirror>,
+    ) -> Result<(), String> {
+        for (i, (table, mapping)) in self.sources.iter().enumerate() {
+            let field = |f: &str| format!("read_models.{}.sources[{i}].{f}", self.name);
+            let Some(m) = mirrors(table) else { continue };
+            match mapping {
+                Mapping::Columns(cols) => {
+                    if let Some(c) = cols
+                        .iter()
+                        .find(|c| !m.columns.iter().any(|mc| &mc.name == *c))
+                    {
+                        return Err(format!(
+                            "{}: {table} has no column {c}",
+                            field("key_columns")
+                        ));
+                    }
+                }
+                Mapping::Query { params, .. } if params.len() > m.key.len() => {
+                    return Err(format!(
+                        "{}: takes {} parameters, but the key of {table} has {} column(s) ($1 is its first)",
+                        field("affected_keys"),
+                        params.len(),
+                        m.key.len()
+                    ));
+                }
+                Mapping::Query { .. } => {}
+            }
+        }
+        Ok(())
     }
 
     /// The view keys a mirror row maps to right now (none when the row
@@ -299,30 +478,29 @@ impl View {
         match mapping {
             // Whether or not the row exists: a key with no row recomputes
             // to nothing, which is what the view must hold for it.
-            Mapping::Column(col) if mirror.key_is(col) => out.extend(key.first().cloned()),
-            Mapping::Column(col) => {
+            Mapping::Columns(cols) if mirror.key_columns_are(cols) => {
+                out.extend(view_key(&key.iter().cloned().map(Some).collect::<Vec<_>>()))
+            }
+            Mapping::Columns(cols) => {
                 let params: Vec<&(dyn ToSql + Sync)> =
                     key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
                 let sql = format!(
-                    "SELECT {}::text FROM {} WHERE {}",
-                    quote_ident(col),
+                    "SELECT {} FROM {} WHERE {}",
+                    as_text(cols, ""),
                     mirror.qualified,
                     mirror.key_where(1)
                 );
                 let sql = statements.prepare(client, &sql).await?;
                 let rows = client.query(&sql, &params).await?;
-                out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+                out.extend(rows.iter().filter_map(|r| key_in_row(r, 0, cols.len())));
             }
-            Mapping::Query { sql, param } => {
-                let Some(k) = key.first() else { return Ok(()) };
-                let Ok(bound) = bind_one(param, k) else {
+            Mapping::Query { sql, params } => {
+                let Some(bound) = bind_row(params, key) else {
                     return Ok(());
                 };
                 let sql = statements.prepare(client, sql).await?;
-                let rows = client
-                    .query(&sql, &[bound.as_ref() as &(dyn ToSql + Sync)])
-                    .await?;
-                out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+                let rows = client.query(&sql, &refs(&bound)).await?;
+                out.extend(rows.iter().filter_map(|r| key_in_row(r, 0, self.key.len())));
             }
         }
         Ok(())
@@ -345,39 +523,37 @@ impl View {
         }
         match mapping {
             // See [`View::keys_of`].
-            Mapping::Column(col) if mirror.key_is(col) => {
-                out.extend(keys.iter().filter_map(|k| k.first().cloned()))
-            }
-            Mapping::Column(col) => {
+            Mapping::Columns(cols) if mirror.key_columns_are(cols) => out.extend(
+                keys.iter()
+                    .filter_map(|k| view_key(&k.iter().cloned().map(Some).collect::<Vec<_>>())),
+            ),
+            Mapping::Columns(cols) => {
                 let arrays: Vec<Vec<String>> = (0..mirror.key.len())
                     .map(|n| keys.iter().map(|k| k[n].clone()).collect())
                     .collect();
                 let params: Vec<&(dyn ToSql + Sync)> =
                     arrays.iter().map(|a| a as &(dyn ToSql + Sync)).collect();
                 let sql = format!(
-                    "SELECT m.{}::text FROM {} m WHERE {}",
-                    quote_ident(col),
+                    "SELECT {} FROM {} m WHERE {}",
+                    as_text(cols, "m."),
                     mirror.qualified,
                     mirror.keys_in(1)
                 );
                 let sql = statements.prepare(client, &sql).await?;
                 let rows = client.query(&sql, &params).await?;
-                out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+                out.extend(rows.iter().filter_map(|r| key_in_row(r, 0, cols.len())));
             }
-            Mapping::Query { sql, param } => {
+            Mapping::Query { sql, params } => {
                 let sql = statements.prepare(client, sql).await?;
-                let bound: Vec<_> = keys
-                    .iter()
-                    .filter_map(|k| k.first())
-                    .filter_map(|k| bind_one(param, k).ok())
-                    .collect();
-                let params: Vec<[&(dyn ToSql + Sync); 1]> = bound
-                    .iter()
-                    .map(|b| [b.as_ref() as &(dyn ToSql + Sync)])
-                    .collect();
+                let bound: Vec<_> = keys.iter().filter_map(|k| bind_row(params, k)).collect();
+                let params: Vec<Vec<&(dyn ToSql + Sync)>> = bound.iter().map(|b| refs(b)).collect();
                 let queries = params.iter().map(|p| client.query(&sql, p));
                 for rows in futures_util::future::join_all(queries).await {
-                    out.extend(rows?.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+                    out.extend(
+                        rows?
+                            .iter()
+                            .filter_map(|r| key_in_row(r, 0, self.key.len())),
+                    );
                 }
             }
         }
@@ -392,15 +568,11 @@ impl View {
     ) -> Result<(), tokio_postgres::Error> {
         let rows = client
             .query(
-                &format!(
-                    "SELECT {}::text FROM {}",
-                    quote_ident(&self.key),
-                    self.qualified
-                ),
+                &format!("SELECT {} FROM {}", as_text(&self.key, ""), self.qualified),
                 &[],
             )
             .await?;
-        out.extend(rows.iter().filter_map(|r| r.get::<_, Option<String>>(0)));
+        out.extend(rows.iter().filter_map(|r| key_in_row(r, 0, self.key.len())));
         Ok(())
     }
 
@@ -419,37 +591,41 @@ impl View {
                 continue;
             };
             match mapping {
-                Mapping::Column(col) => {
+                Mapping::Columns(cols) => {
                     let rows = client
                         .query(
                             &format!(
-                                "SELECT DISTINCT {c}::text FROM {} WHERE {c} IS NOT NULL",
+                                "SELECT DISTINCT {} FROM {} WHERE {}",
+                                as_text(cols, ""),
                                 m.qualified,
-                                c = quote_ident(col)
+                                cols.iter()
+                                    .map(|c| format!("{} IS NOT NULL", quote_ident(c)))
+                                    .collect::<Vec<_>>()
+                                    .join(" AND ")
                             ),
                             &[],
                         )
                         .await?;
-                    out.extend(rows.iter().map(|r| r.get::<_, String>(0)));
+                    out.extend(rows.iter().filter_map(|r| key_in_row(r, 0, cols.len())));
                 }
-                Mapping::Query { sql, param } => {
-                    let first = quote_ident(&m.columns[m.key[0]].name);
-                    let keys: Vec<String> = client
-                        .query(&format!("SELECT {first}::text FROM {}", m.qualified), &[])
+                Mapping::Query { sql, params } => {
+                    let key: Vec<String> =
+                        m.key.iter().map(|&i| m.columns[i].name.clone()).collect();
+                    let keys: Vec<Vec<String>> = client
+                        .query(
+                            &format!("SELECT {} FROM {}", as_text(&key, ""), m.qualified),
+                            &[],
+                        )
                         .await?
                         .iter()
-                        .map(|r| r.get(0))
+                        .map(|r| (0..key.len()).map(|i| r.get(i)).collect())
                         .collect();
                     let stmt = client.prepare(sql).await?;
                     let found: Vec<Vec<tokio_postgres::Row>> =
-                        stream::iter(keys.iter().filter_map(|k| bind_one(param, k).ok()))
+                        stream::iter(keys.iter().filter_map(|k| bind_row(params, k)))
                             .map(|bound| {
                                 let stmt = &stmt;
-                                async move {
-                                    client
-                                        .query(stmt, &[bound.as_ref() as &(dyn ToSql + Sync)])
-                                        .await
-                                }
+                                async move { client.query(stmt, &refs(&bound)).await }
                             })
                             // Pipelined on the one connection.
                             .buffer_unordered(64)
@@ -459,12 +635,28 @@ impl View {
                         found
                             .iter()
                             .flatten()
-                            .filter_map(|r| r.get::<_, Option<String>>(0)),
+                            .filter_map(|r| key_in_row(r, 0, self.key.len())),
                     );
                 }
             }
         }
         Ok(out)
+    }
+
+    /// `keys` as the statement's parameters of `types`: one array per key
+    /// column.
+    fn bind_keys(
+        &self,
+        types: &[Type],
+        keys: &[String],
+    ) -> Result<Vec<Box<dyn ToSql + Sync + Send>>, ViewError> {
+        let key_error = |e: String| ViewError::Key(format!("read model {}: {e}", self.name));
+        key_columns_of(keys, self.key.len())
+            .map_err(key_error)?
+            .iter()
+            .zip(types)
+            .map(|(column, ty)| bind_many(ty, column).map_err(key_error))
+            .collect()
     }
 
     /// Replaces the view rows of `keys` with what the query returns now.
@@ -478,14 +670,10 @@ impl View {
             return Ok(());
         }
         let keys: Vec<String> = keys.iter().cloned().collect();
-        let key_error = |e: String| ViewError::Key(format!("read model {}: {e}", self.name));
+        let ins = self.bind_keys(&self.param, &keys)?;
         if let Some(diff) = &self.diff {
-            let ins = bind_many(&self.param, &keys).map_err(key_error)?;
             let sql = statements.prepare(client, diff).await?;
-            return match client
-                .execute(&sql, &[ins.as_ref() as &(dyn ToSql + Sync)])
-                .await
-            {
+            return match client.execute(&sql, &refs(&ins)).await {
                 // Two rows of the query for one key: the delete-and-insert
                 // path refuses them as a duplicate key, and so does this.
                 Err(e) if e.code() == Some(&SqlState::CARDINALITY_VIOLATION) => {
@@ -497,22 +685,72 @@ impl View {
                 other => other.map(|_| ()).map_err(ViewError::Db),
             };
         }
-        let del = bind_many(&self.delete_param, &keys).map_err(key_error)?;
-        let sql = format!(
-            "DELETE FROM {} WHERE {} = ANY($1)",
-            self.qualified,
-            quote_ident(&self.key)
-        );
-        let sql = statements.prepare(client, &sql).await?;
-        client
-            .execute(&sql, &[del.as_ref() as &(dyn ToSql + Sync)])
-            .await?;
-        let ins = bind_many(&self.param, &keys).map_err(key_error)?;
+        let del = self.bind_keys(&self.delete_param, &keys)?;
+        let sql = statements.prepare(client, &self.delete).await?;
+        client.execute(&sql, &refs(&del)).await?;
         let sql = format!("INSERT INTO {} {}", self.qualified, self.query);
         let sql = statements.prepare(client, &sql).await?;
-        client
-            .execute(&sql, &[ins.as_ref() as &(dyn ToSql + Sync)])
-            .await?;
+        client.execute(&sql, &refs(&ins)).await?;
         Ok(())
+    }
+}
+
+/// `cols` as a select list of text values, each qualified by `prefix`.
+fn as_text(cols: &[String], prefix: &str) -> String {
+    cols.iter()
+        .map(|c| format!("{prefix}{}::text", quote_ident(c)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_composite_view_key_splits_back_into_its_columns() {
+        let tenants = ["acme", "it's", r#"a "b", c"#, r#"["x"]"#, "日本", ""];
+        let keys: Vec<String> = tenants
+            .iter()
+            .map(|t| view_key(&[Some(t.to_string()), Some("7".into())]).expect("a key"))
+            .collect();
+        assert_eq!(
+            keys.iter().collect::<BTreeSet<_>>().len(),
+            tenants.len(),
+            "distinct tenants make distinct keys"
+        );
+        let columns = key_columns_of(&keys, 2).expect("split");
+        assert_eq!(columns[0], tenants);
+        assert_eq!(columns[1], vec!["7"; tenants.len()]);
+        // A single-column key is the column's text itself.
+        assert_eq!(view_key(&[Some("it's".into())]).as_deref(), Some("it's"));
+        assert_eq!(
+            key_columns_of(&["it's".into()], 1).expect("one"),
+            [["it's"]]
+        );
+        // No view row has a NULL key column.
+        assert_eq!(view_key(&[Some("acme".into()), None]), None);
+        assert_eq!(view_key(&[None]), None);
+        // A key of another arity is refused, naming it.
+        let err = key_columns_of(&[r#"["a","1","2"]"#.into()], 2).expect_err("three columns");
+        assert!(
+            err.contains(r#"["a","1","2"]"#) && err.contains("3 columns"),
+            "{err}"
+        );
+        assert!(key_columns_of(&["plain".into()], 2).is_err());
+    }
+
+    #[test]
+    fn a_composite_delete_casts_each_key_array_to_its_column_type() {
+        let key = ["tenant".to_string(), "order id".to_string()];
+        let sql = delete_statement("rm.t", &key, &["text".into(), "bigint".into()]);
+        assert_eq!(
+            sql,
+            r#"DELETE FROM rm.t WHERE ("tenant", "order id") IN (SELECT * FROM unnest($1::text[]::text[], $2::text[]::bigint[]))"#
+        );
+        assert_eq!(
+            delete_statement("rm.t", &key[..1], &["text".into()]),
+            r#"DELETE FROM rm.t WHERE "tenant" = ANY($1)"#
+        );
     }
 }
