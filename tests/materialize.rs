@@ -1517,16 +1517,16 @@ sources = [
 
 [read_models.tenant_orders]
 table = "read_models.tenant_orders"
-key = ["tenant", "order_id"]
+key = ["order_id", "tenant"]
 query = """
 SELECT o.tenant, o.id AS order_id, c.name AS customer_name, o.amount
 FROM mirror.t_orders o
 LEFT JOIN mirror.t_customers c ON c.tenant = o.tenant AND c.id = o.customer_id
-WHERE (o.tenant, o.id) IN (SELECT * FROM unnest($1::text[], $2::bigint[]))
+WHERE (o.id, o.tenant) IN (SELECT * FROM unnest($1::bigint[], $2::text[]))
 """
 sources = [
-  { table = "public.t_orders", key_columns = ["tenant", "id"] },
-  { table = "public.t_customers", affected_keys = "SELECT tenant, id FROM mirror.t_orders WHERE tenant = $1 AND customer_id = $2" },
+  { table = "public.t_orders", key_columns = ["id", "tenant"] },
+  { table = "public.t_customers", affected_keys = "SELECT id, tenant FROM mirror.t_orders WHERE tenant = $1 AND customer_id = $2" },
 ]
 
 [read_models.tenant_order_doc]
@@ -1538,10 +1538,30 @@ FROM mirror.t_orders o
 WHERE (o.tenant, o.id) IN (SELECT * FROM unnest($1::text[], $2::bigint[]))
 """
 sources = [{ table = "public.t_orders", key_columns = ["tenant", "id"] }]
+
+[read_models.order_notes]
+table = "read_models.order_notes"
+key = ["note_id"]
+query = """
+SELECT n.id AS note_id, n.body, o.amount
+FROM mirror.t_notes n
+LEFT JOIN mirror.t_orders o ON o.tenant = n.tenant AND o.id = n.order_id
+WHERE n.id = ANY($1)
+"""
+sources = [
+  { table = "public.t_notes", key_columns = ["id"] },
+  { table = "public.t_orders", affected_keys = "SELECT id FROM mirror.t_notes WHERE tenant = $1" },
+]
 "#;
 
 /// `(what, source SQL, target SQL)`, as [`CHECKS`].
-const TENANT_CHECKS: [(&str, &str, &str); 3] = [
+const TENANT_CHECKS: [(&str, &str, &str); 4] = [
+    (
+        "order_notes",
+        "SELECT n.id, n.body, o.amount FROM public.t_notes n
+         LEFT JOIN public.t_orders o ON o.tenant = n.tenant AND o.id = n.order_id",
+        "SELECT note_id, body, amount FROM read_models.order_notes",
+    ),
     (
         "tenant_customer_stats",
         "SELECT c.tenant, c.id, c.name, count(o.id), coalesce(sum(o.amount), 0)
@@ -1591,8 +1611,10 @@ fn tenant_statement(rng: &mut Rng) -> String {
         3 => format!(
             "UPDATE public.t_orders SET amount = amount + 1 WHERE tenant = {tenant} AND id = {order};"
         ),
+        // To no customer now and then: a NULL in a view key's column.
         4 => format!(
-            "UPDATE public.t_orders SET customer_id = {customer} WHERE tenant = {tenant} AND id = {order};"
+            "UPDATE public.t_orders SET customer_id = {} WHERE tenant = {tenant} AND id = {order};",
+            if customer == 6 { "NULL".to_string() } else { customer.to_string() }
         ),
         5 => format!("DELETE FROM public.t_orders WHERE tenant = {tenant} AND id = {order};"),
         // A key change: the order moves to another tenant.
@@ -1600,25 +1622,36 @@ fn tenant_statement(rng: &mut Rng) -> String {
             "UPDATE public.t_orders SET tenant = {other} WHERE tenant = {tenant} AND id = {order}
              AND NOT EXISTS (SELECT 1 FROM public.t_orders WHERE tenant = {other} AND id = {order});"
         ),
+        // A note on an order (uuid keys), perhaps on none yet.
+        7 if rng.below(2) == 0 => format!(
+            "INSERT INTO public.t_notes VALUES (gen_random_uuid(), {tenant}, {order}, 'note');"
+        ),
         7 => format!(
+            "DELETE FROM public.t_notes WHERE id = (SELECT id FROM public.t_notes ORDER BY id LIMIT 1 OFFSET {});",
+            rng.below(10)
+        ),
+        8 => format!(
             "UPDATE public.t_customers SET name = 'renamed, \"{}\"' WHERE tenant = {tenant} AND id = {customer};",
             rng.below(100)
         ),
-        8 => format!(
+        _ if rng.below(2) == 0 => {
+            format!("DELETE FROM public.t_customers WHERE tenant = {tenant} AND id = {customer};")
+        }
+        _ => format!(
             "INSERT INTO public.t_customers VALUES ({tenant}, {customer}, 'new {customer}')
              ON CONFLICT (tenant, id) DO NOTHING;"
         ),
-        _ => format!("DELETE FROM public.t_customers WHERE tenant = {tenant} AND id = {customer};"),
     }
 }
 
 /// Read models keyed by two columns, (tenant, id): a mapping by the
 /// mirror's own composite key, one by two non-key columns (indexed as a
 /// pair), one by a query taking both columns of the changed row's key,
-/// and one recomputed by delete and insert (a `json` column); snapshot,
-/// streamed changes, key changes and a truncate all land, and tenants
-/// sharing ids never mix. A query taking more key columns than its
-/// source's key has is refused at start-up, naming its field.
+/// and one recomputed by delete and insert (a `json` column); beside them
+/// a read model keyed by a `uuid`. Snapshot, streamed changes, key
+/// changes and a truncate all land, tenants sharing ids never mix, and
+/// an unchanged view row is left unwritten. Mappings that cannot work are
+/// refused at start-up, naming their field.
 #[tokio::test]
 async fn read_models_with_composite_keys_track_their_queries() {
     let stack = support::stack();
@@ -1629,7 +1662,8 @@ async fn read_models_with_composite_keys_track_their_queries() {
         .batch_execute(
             "CREATE TABLE public.t_customers (tenant text, id int, name text, PRIMARY KEY (tenant, id));
              CREATE TABLE public.t_orders (tenant text, id bigint, customer_id int,
-                                           amount numeric(10,2), PRIMARY KEY (tenant, id));",
+                                           amount numeric(10,2), PRIMARY KEY (tenant, id));
+             CREATE TABLE public.t_notes (id uuid PRIMARY KEY, tenant text, order_id bigint, body text);",
         )
         .await
         .expect("schema");
@@ -1638,7 +1672,8 @@ async fn read_models_with_composite_keys_track_their_queries() {
         source
             .batch_execute(&format!(
                 "INSERT INTO public.t_customers SELECT {t}, i, 'customer ' || i FROM generate_series(1, 3) i;
-                 INSERT INTO public.t_orders SELECT {t}, i, 1 + i % 3, i * 10 FROM generate_series(1, 5) i;"
+                 INSERT INTO public.t_orders SELECT {t}, i, 1 + i % 3, i * 10 FROM generate_series(1, 5) i;
+                 INSERT INTO public.t_notes SELECT gen_random_uuid(), {t}, i, 'seeded' FROM generate_series(1, 3) i;"
             ))
             .await
             .expect("seed");
@@ -1649,7 +1684,7 @@ async fn read_models_with_composite_keys_track_their_queries() {
             &stack,
             &source_db.url,
             &source_db.name,
-            &["public.t_customers", "public.t_orders"]
+            &["public.t_customers", "public.t_orders", "public.t_notes"]
         ),
         target_db.url
     );
@@ -1689,6 +1724,49 @@ async fn read_models_with_composite_keys_track_their_queries() {
         .get(0);
     assert_eq!(index, 1, "the (tenant, customer_id) mapping is indexed");
 
+    // Orders rewritten as they are: the views keyed by one statement leave
+    // their rows unwritten, the `json` one deletes and reinserts them.
+    let tenant = TENANTS[2];
+    let versions = async |view: &str, column: &str| -> Vec<String> {
+        target
+            .query(
+                &format!(
+                    "SELECT xmin::text FROM read_models.{view} WHERE tenant = $1 ORDER BY {column}"
+                ),
+                &[&tenant],
+            )
+            .await
+            .expect("versions")
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    };
+    let stats = versions("tenant_customer_stats", "customer_id").await;
+    let orders = versions("tenant_orders", "order_id").await;
+    let docs = versions("tenant_order_doc", "order_id").await;
+    assert!(!docs.is_empty(), "tenant {tenant} has orders");
+    source
+        .execute(
+            "UPDATE public.t_orders SET amount = amount WHERE tenant = $1",
+            &[&tenant],
+        )
+        .await
+        .expect("rewrite");
+    support::wait_for(
+        "the json view to rewrite the tenant's orders",
+        Duration::from_secs(120),
+        async || {
+            let now = versions("tenant_order_doc", "order_id").await;
+            now.iter().zip(&docs).all(|(a, b)| a != b)
+        },
+    )
+    .await;
+    assert_eq!(versions("tenant_orders", "order_id").await, orders);
+    assert_eq!(
+        versions("tenant_customer_stats", "customer_id").await,
+        stats
+    );
+
     source
         .batch_execute(&format!(
             "TRUNCATE public.t_orders;
@@ -1701,27 +1779,57 @@ async fn read_models_with_composite_keys_track_their_queries() {
     wait_tenant_views(&source, &target).await;
     assert_eq!(terminate(m).await, Some(0));
 
-    // $3 where the changed row's key has two columns.
-    let bad = ConfigFile::write(&format!(
-        "{pipeline}{}",
-        TENANT_MODELS.replace(
+    // A new materializer takes up the tables the first one made.
+    let m = materializer(&config, &[], &[]);
+    for _ in 0..5 {
+        let mut sql = String::from("BEGIN;");
+        for _ in 0..10 {
+            sql.push_str(&tenant_statement(&mut rng));
+        }
+        sql.push_str("COMMIT;");
+        source.batch_execute(&sql).await.expect("workload");
+    }
+    wait_tenant_views(&source, &target).await;
+    assert_eq!(terminate(m).await, Some(0));
+
+    for (what, from, to, said) in [
+        (
+            "$3 where the changed row's key has two columns",
             "WHERE tenant = $1 AND customer_id = $2\"",
-            "WHERE tenant = $1 AND customer_id = $2 AND id = $3\""
+            "WHERE tenant = $1 AND customer_id = $2 AND id = $3\"",
+            "read_models.tenant_orders.sources[1].affected_keys: takes 3 parameters",
+        ),
+        (
+            "an integer $1 given the tenant's text",
+            "WHERE tenant = $1 AND customer_id = $2\"",
+            "WHERE customer_id = $1\"",
+            "read_models.tenant_orders.sources[1].affected_keys: $1 is a int4, but it is given public.t_customers's key column tenant (text)",
+        ),
+        (
+            "a third column returned for a two-column key",
+            "SELECT id, tenant FROM mirror.t_orders",
+            "SELECT id, tenant, amount FROM mirror.t_orders",
+            "read_models.tenant_orders.sources[1].affected_keys: returns 3 column(s)",
+        ),
+        (
+            "a key unlike the existing table's primary key",
+            "key = [\"tenant\", \"customer_id\"]",
+            "key = [\"tenant\", \"name\"]",
+            "read_models.tenant_customer_stats.key: read_models.tenant_customer_stats has the primary key (tenant, customer_id), not (tenant, name)",
+        ),
+    ] {
+        let changed = TENANT_MODELS.replace(from, to);
+        assert_ne!(changed, TENANT_MODELS, "{what}");
+        let bad = ConfigFile::write(&format!("{pipeline}{changed}"));
+        let run = tokio::time::timeout(
+            Duration::from_secs(120),
+            support::pgcdc(&["materialize", "--config", bad.arg()]),
         )
-    ));
-    let run = tokio::time::timeout(
-        Duration::from_secs(120),
-        support::pgcdc(&["materialize", "--config", bad.arg()]),
-    )
-    .await
-    .expect("a refused configuration stops the materializer");
-    assert_ne!(run.code, 0, "{}", run.all_output());
-    assert!(
-        run.stderr
-            .contains("read_models.tenant_orders.sources[1].affected_keys: takes 3 parameters"),
-        "{}",
-        run.all_output()
-    );
+        .await
+        .expect("a refused configuration stops the materializer");
+        assert_ne!(run.code, 0, "{what}: {}", run.all_output());
+        assert!(run.stderr.contains(said), "{what}: {}", run.all_output());
+    }
     assert_eq!(connector.terminate().await, 0);
     source_db.drop_db().await;
     target_db.drop_db().await;

@@ -1442,7 +1442,7 @@ async fn index_view_columns(
             if key.starts_with(&cols.iter().map(String::as_str).collect::<Vec<_>>()) {
                 continue; // the primary key's index serves it
             }
-            let name = index_name(&m.table, &cols.join("_"));
+            let name = index_name(&m.table, &cols.join(","));
             let sql = format!(
                 "CREATE INDEX IF NOT EXISTS {} ON {} ({})",
                 crate::source::slot::quote_ident(&name),

@@ -206,20 +206,72 @@ fn delete_statement(qualified: &str, key: &[String], types: &[String]) -> String
     }
 }
 
+/// A `uuid` key, parsed from its text (any case, hyphens anywhere, as
+/// Postgres's input accepts the usual forms) and bound in binary.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Uuid([u8; 16]);
+
+impl std::str::FromStr for Uuid {
+    type Err = ();
+
+    fn from_str(text: &str) -> Result<Uuid, ()> {
+        let text = text
+            .strip_prefix('{')
+            .and_then(|t| t.strip_suffix('}'))
+            .unwrap_or(text);
+        let hex: Vec<u8> = text.bytes().filter(|b| *b != b'-').collect();
+        if hex.len() != 32 {
+            return Err(());
+        }
+        let mut out = [0u8; 16];
+        for (byte, pair) in out.iter_mut().zip(hex.chunks(2)) {
+            let pair = std::str::from_utf8(pair).map_err(|_| ())?;
+            *byte = u8::from_str_radix(pair, 16).map_err(|_| ())?;
+        }
+        Ok(Uuid(out))
+    }
+}
+
+impl ToSql for Uuid {
+    fn to_sql(
+        &self,
+        _: &Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<tokio_postgres::types::IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        out.extend_from_slice(&self.0);
+        Ok(tokio_postgres::types::IsNull::No)
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        *ty == Type::UUID
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+/// Whether keys of type `ty` (a parameter's, or an array parameter's
+/// element type) can be bound.
+fn key_type_supported(ty: &Type) -> Result<(), String> {
+    match *ty {
+        Type::INT2 | Type::INT4 | Type::INT8 | Type::UUID => Ok(()),
+        Type::TEXT | Type::VARCHAR | Type::BPCHAR | Type::NAME => Ok(()),
+        _ => Err(format!(
+            "keys of type {} are not supported (use integers, text or uuid)",
+            ty.name()
+        )),
+    }
+}
+
 /// A key value (as text) bound as the parameter type Postgres inferred.
 fn bind_one(ty: &Type, text: &str) -> Result<Box<dyn ToSql + Sync + Send>, String> {
+    key_type_supported(ty)?;
     let bad = || format!("key '{text}' is not a {}", ty.name());
     Ok(match *ty {
         Type::INT2 => Box::new(text.parse::<i16>().map_err(|_| bad())?),
         Type::INT4 => Box::new(text.parse::<i32>().map_err(|_| bad())?),
         Type::INT8 => Box::new(text.parse::<i64>().map_err(|_| bad())?),
-        Type::TEXT | Type::VARCHAR | Type::BPCHAR | Type::NAME => Box::new(text.to_string()),
-        _ => {
-            return Err(format!(
-                "keys of type {} are not supported (use integers or text)",
-                ty.name()
-            ))
-        }
+        Type::UUID => Box::new(text.parse::<Uuid>().map_err(|_| bad())?),
+        _ => Box::new(text.to_string()),
     })
 }
 
@@ -258,14 +310,15 @@ fn bind_many(ty: &Type, keys: &[String]) -> Result<Box<dyn ToSql + Sync + Send>,
         Type::INT2_ARRAY => Box::new(parse::<i16>(keys, ty)?),
         Type::INT4_ARRAY => Box::new(parse::<i32>(keys, ty)?),
         Type::INT8_ARRAY => Box::new(parse::<i64>(keys, ty)?),
+        Type::UUID_ARRAY => Box::new(parse::<Uuid>(keys, ty)?),
         Type::TEXT_ARRAY | Type::VARCHAR_ARRAY | Type::BPCHAR_ARRAY | Type::NAME_ARRAY => {
             Box::new(keys.to_vec())
         }
         _ => {
             return Err(format!(
-                "$1 of type {} is not supported (use an array of integers or text)",
-                ty.name()
-            ))
+            "a key parameter of type {} is not supported (use an array of integers, text or uuid)",
+            ty.name()
+        ))
         }
     })
 }
@@ -330,21 +383,37 @@ impl View {
             ))
             .await
             .map_err(|e| format!("{}: {}", field("table"), crate::source::error_text(&e)))?;
-        let has_pk = client
+        // The primary key's columns, if it has one.
+        let pk: Option<Vec<String>> = client
             .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indrelid = $1::text::regclass AND indisprimary)",
+                "SELECT (SELECT array_agg(a.attname::text ORDER BY k.n)
+                         FROM pg_index i, unnest(i.indkey) WITH ORDINALITY k(attnum, n), pg_attribute a
+                         WHERE i.indrelid = $1::text::regclass AND i.indisprimary
+                           AND a.attrelid = i.indrelid AND a.attnum = k.attnum)",
                 &[&qualified],
             )
             .await
             .map_err(|e| crate::source::error_text(&e))?
-            .get::<_, bool>(0);
-        if !has_pk {
-            client
+            .get(0);
+        match pk {
+            None => client
                 .batch_execute(&format!(
                     "ALTER TABLE {qualified} ADD PRIMARY KEY ({key_list})"
                 ))
                 .await
-                .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?;
+                .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?,
+            // A table made under another key (the key changed since): its
+            // rows cannot be kept by this one.
+            Some(pk) if pk.iter().collect::<BTreeSet<_>>() != key.iter().collect() => {
+                return Err(format!(
+                    "{}: {} has the primary key ({}), not ({}); drop the table and start again, then fill it with `pgcdc rebuild --read-model {name}`",
+                    field("key"),
+                    rm.table,
+                    pk.join(", "),
+                    key.join(", ")
+                ))
+            }
+            Some(_) => {}
         }
         let mut key_types = Vec::new();
         for k in &key {
@@ -398,10 +467,29 @@ impl View {
                             crate::source::error_text(&e)
                         )
                     })?;
+                    let returned = client
+                        .prepare(sql)
+                        .await
+                        .map_err(|e| {
+                            format!(
+                                "{}: {}",
+                                field(&format!("sources[{i}].affected_keys")),
+                                crate::source::error_text(&e)
+                            )
+                        })?
+                        .columns()
+                        .len();
+                    if returned != key.len() {
+                        return Err(format!(
+                            "{}: returns {returned} column(s), one per key column ({}) wanted",
+                            field(&format!("sources[{i}].affected_keys")),
+                            key.join(", ")
+                        ));
+                    }
                     let params = stmt.params().to_vec();
-                    // Integers and text take "0"; other types are refused.
+                    // Integers, text and uuid; other types are refused.
                     for p in &params {
-                        bind_one(p, "0").map_err(|e| {
+                        key_type_supported(p).map_err(|e| {
                             format!("{}: {e}", field(&format!("sources[{i}].affected_keys")))
                         })?;
                     }
@@ -458,7 +546,29 @@ impl View {
                         m.key.len()
                     ));
                 }
-                Mapping::Query { .. } => {}
+                Mapping::Query { params, .. } => {
+                    for (n, (ty, &c)) in params.iter().zip(&m.key).enumerate() {
+                        let column = &m.columns[c];
+                        let fits = match *ty {
+                            Type::INT2 | Type::INT4 | Type::INT8 => matches!(
+                                column.sql_type.as_str(),
+                                "smallint" | "integer" | "bigint"
+                            ),
+                            Type::UUID => column.sql_type == "uuid",
+                            _ => true, // text takes any key's text
+                        };
+                        if !fits {
+                            return Err(format!(
+                                "{}: ${} is a {}, but it is given {table}'s key column {} ({})",
+                                field("affected_keys"),
+                                n + 1,
+                                ty.name(),
+                                column.name,
+                                column.sql_type
+                            ));
+                        }
+                    }
+                }
             }
         }
         Ok(())
@@ -738,6 +848,39 @@ mod tests {
             "{err}"
         );
         assert!(key_columns_of(&["plain".into()], 2).is_err());
+    }
+
+    #[test]
+    fn uuid_keys_parse_in_postgres_input_forms_and_nothing_else() {
+        let want: Uuid = "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"
+            .parse()
+            .expect("canonical");
+        assert_eq!(want.0[0], 0xa0);
+        assert_eq!(want.0[15], 0x11);
+        for form in [
+            "A0EEBC99-9C0B-4EF8-BB6D-6BB9BD380A11",
+            "{a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11}",
+            "a0eebc999c0b4ef8bb6d6bb9bd380a11",
+        ] {
+            assert_eq!(form.parse::<Uuid>(), Ok(want), "{form}");
+        }
+        for bad in [
+            "",
+            "a0eebc99",
+            "g0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11",
+            "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a1",
+        ] {
+            assert!(bad.parse::<Uuid>().is_err(), "{bad}");
+        }
+        let err = bind_one(&Type::UUID, "7").expect_err("not a uuid");
+        assert!(err.contains("'7'") && err.contains("uuid"), "{err}");
+        assert!(bind_many(
+            &Type::UUID_ARRAY,
+            &["a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11".into()]
+        )
+        .is_ok());
+        let err = key_type_supported(&Type::NUMERIC).expect_err("numeric keys");
+        assert!(err.contains("numeric"), "{err}");
     }
 
     #[test]
