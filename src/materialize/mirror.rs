@@ -94,11 +94,8 @@ impl Mirror {
     pub fn key_columns_are(&self, columns: &[String]) -> bool {
         self.key.len() == columns.len()
             && self.key.iter().zip(columns).all(|(&i, name)| {
-                self.columns[i].name == *name
-                    && matches!(
-                        self.columns[i].sql_type.as_str(),
-                        "smallint" | "integer" | "bigint" | "text"
-                    )
+                let c = &self.columns[i];
+                c.name == *name && (c.is_integer() || c.sql_type == "text")
             })
     }
 

@@ -1447,10 +1447,7 @@ async fn index_view_columns(
                 "CREATE INDEX IF NOT EXISTS {} ON {} ({})",
                 crate::source::slot::quote_ident(&name),
                 m.qualified,
-                cols.iter()
-                    .map(|c| crate::source::slot::quote_ident(c))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                view::column_list(cols)
             );
             if let Err(e) = db.batch_execute(&sql).await {
                 // Another instance starting at the same moment made it.

@@ -22,6 +22,13 @@ pub struct Column {
     pub sql_type: String,
 }
 
+impl Column {
+    /// Whether the column holds integers (of any width).
+    pub fn is_integer(&self) -> bool {
+        matches!(self.sql_type.as_str(), "smallint" | "integer" | "bigint")
+    }
+}
+
 /// The source column a record field stands for: its `pgcdc.column`, set
 /// where the column's name is no valid Avro name (`Order Items`, `日本`),
 /// else the field's own name.

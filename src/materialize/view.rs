@@ -124,6 +124,11 @@ pub fn view_key(parts: &[Option<String>]) -> Option<String> {
     }
 }
 
+/// The view key that is a change's own key (see [`Mirror::key_columns_are`]).
+fn own_key(key: &[String]) -> Option<String> {
+    view_key(&key.iter().cloned().map(Some).collect::<Vec<_>>())
+}
+
 /// The view key of a row's columns `first..first + n`, read as text.
 fn key_in_row(row: &tokio_postgres::Row, first: usize, n: usize) -> Option<String> {
     let parts: Vec<Option<String>> = (first..first + n).map(|i| row.get(i)).collect();
@@ -192,10 +197,7 @@ fn delete_statement(qualified: &str, key: &[String], types: &[String]) -> String
         [k] => format!("DELETE FROM {qualified} WHERE {} = ANY($1)", quote_ident(k)),
         _ => format!(
             "DELETE FROM {qualified} WHERE ({}) IN (SELECT * FROM unnest({}))",
-            key.iter()
-                .map(|k| quote_ident(k))
-                .collect::<Vec<_>>()
-                .join(", "),
+            column_list(key),
             types
                 .iter()
                 .enumerate()
@@ -362,11 +364,6 @@ impl View {
         for p in &param {
             bind_many(p, &[]).map_err(|e| format!("{}: {e}", field("query")))?;
         }
-        let key_list = key
-            .iter()
-            .map(|k| quote_ident(k))
-            .collect::<Vec<_>>()
-            .join(", ");
         let statement = format!(
             "pgcdc_view_{}",
             name.replace(|c: char| !c.is_ascii_alphanumeric(), "_")
@@ -398,7 +395,8 @@ impl View {
         match pk {
             None => client
                 .batch_execute(&format!(
-                    "ALTER TABLE {qualified} ADD PRIMARY KEY ({key_list})"
+                    "ALTER TABLE {qualified} ADD PRIMARY KEY ({})",
+                    column_list(&key)
                 ))
                 .await
                 .map_err(|e| format!("{}: {}", field("key"), crate::source::error_text(&e)))?,
@@ -450,49 +448,31 @@ impl View {
             let mapping = match (&s.key_columns, &s.affected_keys) {
                 (Some(cols), _) => Mapping::Columns(cols.clone()),
                 (None, Some(sql)) => {
-                    let names: Vec<String> = (1..=key.len()).map(|n| format!("k{n}")).collect();
-                    let wrapped = format!(
-                        "SELECT {} FROM ({sql}) AS q({})",
-                        names
-                            .iter()
-                            .map(|k| format!("{k}::text"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                        names.join(", ")
-                    );
-                    let stmt = client.prepare(&wrapped).await.map_err(|e| {
-                        format!(
-                            "{}: {}",
-                            field(&format!("sources[{i}].affected_keys")),
-                            crate::source::error_text(&e)
-                        )
-                    })?;
-                    let returned = client
-                        .prepare(sql)
-                        .await
-                        .map_err(|e| {
-                            format!(
-                                "{}: {}",
-                                field(&format!("sources[{i}].affected_keys")),
-                                crate::source::error_text(&e)
-                            )
-                        })?
-                        .columns()
-                        .len();
+                    let af = field(&format!("sources[{i}].affected_keys"));
+                    let refused = |e: tokio_postgres::Error| {
+                        format!("{af}: {}", crate::source::error_text(&e))
+                    };
+                    let stmt = client.prepare(sql).await.map_err(refused)?;
+                    let returned = stmt.columns().len();
                     if returned != key.len() {
                         return Err(format!(
-                            "{}: returns {returned} column(s), one per key column ({}) wanted",
-                            field(&format!("sources[{i}].affected_keys")),
+                            "{af}: returns {returned} column(s), one per key column ({}) wanted",
                             key.join(", ")
                         ));
                     }
                     let params = stmt.params().to_vec();
                     // Integers, text and uuid; other types are refused.
                     for p in &params {
-                        key_type_supported(p).map_err(|e| {
-                            format!("{}: {e}", field(&format!("sources[{i}].affected_keys")))
-                        })?;
+                        key_type_supported(p).map_err(|e| format!("{af}: {e}"))?;
                     }
+                    let names: Vec<String> = (1..=key.len()).map(|n| format!("k{n}")).collect();
+                    let wrapped = format!(
+                        "SELECT {} FROM ({sql}) AS q({})",
+                        as_text(&names, ""),
+                        column_list(&names)
+                    );
+                    // What the query runs as must prepare too.
+                    client.prepare(&wrapped).await.map_err(refused)?;
                     Mapping::Query {
                         sql: wrapped,
                         params,
@@ -550,10 +530,7 @@ impl View {
                     for (n, (ty, &c)) in params.iter().zip(&m.key).enumerate() {
                         let column = &m.columns[c];
                         let fits = match *ty {
-                            Type::INT2 | Type::INT4 | Type::INT8 => matches!(
-                                column.sql_type.as_str(),
-                                "smallint" | "integer" | "bigint"
-                            ),
+                            Type::INT2 | Type::INT4 | Type::INT8 => column.is_integer(),
                             Type::UUID => column.sql_type == "uuid",
                             _ => true, // text takes any key's text
                         };
@@ -588,9 +565,7 @@ impl View {
         match mapping {
             // Whether or not the row exists: a key with no row recomputes
             // to nothing, which is what the view must hold for it.
-            Mapping::Columns(cols) if mirror.key_columns_are(cols) => {
-                out.extend(view_key(&key.iter().cloned().map(Some).collect::<Vec<_>>()))
-            }
+            Mapping::Columns(cols) if mirror.key_columns_are(cols) => out.extend(own_key(key)),
             Mapping::Columns(cols) => {
                 let params: Vec<&(dyn ToSql + Sync)> =
                     key.iter().map(|k| k as &(dyn ToSql + Sync)).collect();
@@ -633,10 +608,9 @@ impl View {
         }
         match mapping {
             // See [`View::keys_of`].
-            Mapping::Columns(cols) if mirror.key_columns_are(cols) => out.extend(
-                keys.iter()
-                    .filter_map(|k| view_key(&k.iter().cloned().map(Some).collect::<Vec<_>>())),
-            ),
+            Mapping::Columns(cols) if mirror.key_columns_are(cols) => {
+                out.extend(keys.iter().filter_map(|k| own_key(k)))
+            }
             Mapping::Columns(cols) => {
                 let arrays: Vec<Vec<String>> = (0..mirror.key.len())
                     .map(|n| keys.iter().map(|k| k[n].clone()).collect())
@@ -719,13 +693,20 @@ impl View {
                     out.extend(rows.iter().filter_map(|r| key_in_row(r, 0, cols.len())));
                 }
                 Mapping::Query { sql, params } => {
-                    let key: Vec<String> =
-                        m.key.iter().map(|&i| m.columns[i].name.clone()).collect();
+                    // The key columns the query takes, once each (a query
+                    // taking none runs once if the mirror has a row).
+                    let key: Vec<String> = m
+                        .key
+                        .iter()
+                        .take(params.len())
+                        .map(|&i| m.columns[i].name.clone())
+                        .collect();
+                    let list = match key.len() {
+                        0 => "1".to_string(),
+                        _ => as_text(&key, ""),
+                    };
                     let keys: Vec<Vec<String>> = client
-                        .query(
-                            &format!("SELECT {} FROM {}", as_text(&key, ""), m.qualified),
-                            &[],
-                        )
+                        .query(&format!("SELECT DISTINCT {list} FROM {}", m.qualified), &[])
                         .await?
                         .iter()
                         .map(|r| (0..key.len()).map(|i| r.get(i)).collect())
@@ -803,6 +784,14 @@ impl View {
         client.execute(&sql, &refs(&ins)).await?;
         Ok(())
     }
+}
+
+/// `cols` quoted, for a column list.
+pub(super) fn column_list(cols: &[String]) -> String {
+    cols.iter()
+        .map(|c| quote_ident(c))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `cols` as a select list of text values, each qualified by `prefix`.
