@@ -1644,6 +1644,16 @@ fn tenant_statement(rng: &mut Rng) -> String {
     }
 }
 
+/// One source transaction of `n` [`tenant_statement`]s.
+async fn tenant_transaction(source: &tokio_postgres::Client, rng: &mut Rng, n: u64) {
+    let mut sql = String::from("BEGIN;");
+    for _ in 0..n {
+        sql.push_str(&tenant_statement(rng));
+    }
+    sql.push_str("COMMIT;");
+    source.batch_execute(&sql).await.expect("workload");
+}
+
 /// Read models keyed by two columns, (tenant, id): a mapping by the
 /// mirror's own composite key, one by two non-key columns (indexed as a
 /// pair), one by a query taking both columns of the changed row's key,
@@ -1695,12 +1705,8 @@ async fn read_models_with_composite_keys_track_their_queries() {
 
     let mut rng = Rng(0x7e4a47);
     for _ in 0..40 {
-        let mut sql = String::from("BEGIN;");
-        for _ in 0..(1 + rng.below(20)) {
-            sql.push_str(&tenant_statement(&mut rng));
-        }
-        sql.push_str("COMMIT;");
-        source.batch_execute(&sql).await.expect("workload");
+        let n = 1 + rng.below(20);
+        tenant_transaction(&source, &mut rng, n).await;
     }
     wait_tenant_views(&source, &target).await;
     // Every tenant kept its own rows under the shared ids.
@@ -1782,12 +1788,7 @@ async fn read_models_with_composite_keys_track_their_queries() {
     // A new materializer takes up the tables the first one made.
     let m = materializer(&config, &[], &[]);
     for _ in 0..5 {
-        let mut sql = String::from("BEGIN;");
-        for _ in 0..10 {
-            sql.push_str(&tenant_statement(&mut rng));
-        }
-        sql.push_str("COMMIT;");
-        source.batch_execute(&sql).await.expect("workload");
+        tenant_transaction(&source, &mut rng, 10).await;
     }
     wait_tenant_views(&source, &target).await;
     assert_eq!(terminate(m).await, Some(0));
