@@ -390,6 +390,20 @@ async fn source_checks(
             ),
         }
     }
+    for (table, c) in &src.columns {
+        let name = format!("source.columns.{table}");
+        match crate::source::catalog::excluded_column_problem(client, table, &c.exclude).await? {
+            None => r.pass(
+                &name,
+                format!("{} left out of {table}'s events", c.exclude.join(", ")),
+            ),
+            Some(problem) => r.fail(
+                &name,
+                problem,
+                "name columns the table has, outside its key",
+            ),
+        }
+    }
     check_publication(client, config, superuser, r).await?;
     check_slot(client, config, r).await
 }

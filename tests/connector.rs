@@ -1682,3 +1682,129 @@ async fn a_frozen_broker_stalls_the_slot_with_alerts_and_nothing_is_lost() {
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }
+
+/// The field names of a record (unions unwrapped).
+fn field_names(v: &Value) -> Vec<String> {
+    match unwrap(v) {
+        Value::Record(fields) => fields.iter().map(|(n, _)| n.clone()).collect(),
+        other => panic!("not a record: {other:?}"),
+    }
+}
+
+/// `source.columns.<table>.exclude`: the left-out column's values reach no
+/// record, in the initial snapshot (in chunks), the stream (new and old
+/// images under REPLICA IDENTITY FULL), after DDL moves its position, and
+/// in `pgcdc snapshot`; its name reaches no registered schema. A key
+/// column, or a name the table does not have, is refused at start-up and
+/// by `pgcdc check`, naming the field.
+#[tokio::test]
+async fn excluded_columns_never_leave_the_source() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_exclude").await;
+    let client = db.client().await;
+    client
+        .batch_execute(
+            "CREATE TABLE public.users (id bigint PRIMARY KEY, email text, secret text, note text);
+             ALTER TABLE public.users REPLICA IDENTITY FULL;
+             INSERT INTO public.users SELECT g, 'u' || g || '@x', 'HUSH-snap-' || g, 'n' FROM generate_series(1, 30) g;
+             ANALYZE public.users;",
+        )
+        .await
+        .expect("table");
+    let base = support::pipeline_toml(&stack, &db.url, &db.name, &["public.users"]).replace(
+        "[kafka]",
+        "[source.snapshot]\nchunk_rows = 10\n[source.columns.\"public.users\"]\nexclude = [\"secret\"]\n[kafka]",
+    );
+    let (config, parsed) = ConfigFile::parsed(&base);
+
+    // Refusals first: nothing is created for them.
+    for (exclude, expected) in [
+        (
+            "\"id\"",
+            "source.columns.\"public.users\".exclude[0]: id is a column of public.users's key",
+        ),
+        (
+            "\"secret\", \"scret\"",
+            "source.columns.\"public.users\".exclude[1]: public.users has no column scret",
+        ),
+    ] {
+        let bad = ConfigFile::write(
+            &base.replace("exclude = [\"secret\"]", &format!("exclude = [{exclude}]")),
+        );
+        let run = support::pgcdc(&["run", "--config", bad.arg()]).await;
+        assert_eq!(run.code, 1, "{}", run.all_output());
+        assert!(run.stderr.contains(expected), "{}", run.all_output());
+        let check = support::pgcdc(&["check", "--config", bad.arg()]).await;
+        assert!(check.stdout.contains(expected), "{}", check.all_output());
+    }
+
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    support::wait_streaming(&client, &db.name).await;
+    client
+        .batch_execute(
+            "INSERT INTO public.users VALUES (100, 'a@x', 'HUSH-new', 'n');
+             UPDATE public.users SET secret = 'HUSH-upd', note = 'm' WHERE id = 100;
+             DELETE FROM public.users WHERE id = 1;
+             ALTER TABLE public.users ADD COLUMN extra text;
+             ALTER TABLE public.users DROP COLUMN note;
+             INSERT INTO public.users (id, email, secret, extra) VALUES (101, 'b@x', 'HUSH-moved', 'e');
+             UPDATE public.users SET secret = 'HUSH-moved2' WHERE id = 101;",
+        )
+        .await
+        .expect("changes");
+    let topic = format!("{}.public.users", db.name);
+    // 30 snapshot rows, then c, u, d + tombstone, c, u.
+    let read = events(&stack, &topic, 36).await;
+    let run = support::pgcdc(&[
+        "snapshot",
+        "--config",
+        config.arg(),
+        "--table",
+        "public.users",
+    ])
+    .await;
+    assert!(
+        run.stdout.contains("public.users 31 rows"),
+        "{}",
+        run.all_output()
+    );
+    let raw = support::read_topic(&stack, &topic, 67, Duration::from_secs(60)).await;
+    assert_eq!(raw.len(), 67);
+    for r in &raw {
+        for bytes in [&r.key, &r.value].into_iter().flatten() {
+            assert!(
+                !bytes.windows(4).any(|w| w == b"HUSH"),
+                "a left-out value at offset {}",
+                r.offset
+            );
+        }
+    }
+    let ops: Vec<String> = read.iter().map(Event::op).collect();
+    assert_eq!(ops[..30], vec!["r".to_string(); 30][..]);
+    assert_eq!(ops[30..], ["c", "u", "d", "c", "u", "tombstone"]);
+    let values: Vec<&Value> = read.iter().filter_map(|e| e.value.as_ref()).collect();
+    for v in &values {
+        let image = if text(get(v, "op")) == "d" {
+            "before"
+        } else {
+            "after"
+        };
+        let names = field_names(get(v, image));
+        assert!(!names.contains(&"secret".to_string()), "{names:?}");
+        assert!(names.contains(&"email".to_string()), "{names:?}");
+    }
+    // Positions moved by the DDL: the columns after the left-out one keep
+    // their own values.
+    assert_eq!(read[30].after("note"), &Value::String("n".into()));
+    assert_eq!(read[31].before("email"), &Value::String("a@x".into()));
+    assert_eq!(read[31].after("note"), &Value::String("m".into()));
+    assert_eq!(read[33].after("email"), &Value::String("b@x".into()));
+    assert_eq!(read[33].after("extra"), &Value::String("e".into()));
+    assert_eq!(read[34].before("extra"), &Value::String("e".into()));
+    let schema = support::latest_schema(&stack, &format!("{topic}-value")).await;
+    assert!(!schema.contains("secret"), "{schema}");
+    assert!(schema.contains("extra"), "{schema}");
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}

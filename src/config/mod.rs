@@ -484,6 +484,11 @@ pub struct SourceConfig {
     pub publication: String,
     /// Captured tables as `schema.table`.
     pub tables: Vec<String>,
+    /// Columns left out of a captured table's events, per `schema.table`
+    /// (Debezium's `column.exclude.list`): their values never reach Kafka,
+    /// the registry's schemas, the dead-letter topic or the mirrors.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub columns: BTreeMap<String, ColumnsConfig>,
     /// The initial snapshot, and chunking of `pgcdc snapshot`.
     #[serde(default)]
     pub snapshot: SnapshotConfig,
@@ -505,6 +510,17 @@ pub struct SourceConfig {
     /// for a minute ends the outage. 0 retries for ever.
     #[serde(default)]
     pub give_up_after_secs: u64,
+}
+
+/// The columns of one captured table that pgcdc leaves out.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ColumnsConfig {
+    /// Column names, as the table spells them (case matters), whose values
+    /// pgcdc never reads into an event, in the stream and in snapshots. A
+    /// column of the table's key cannot be left out; a name the table does
+    /// not have stops the connector at start-up.
+    pub exclude: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -758,6 +774,12 @@ pub struct TargetConfig {
     /// the number of series stays bounded.
     #[serde(default = "default_tenant_labels")]
     pub tenant_labels: usize,
+    /// Stop `pgcdc materialize` (exit code 1, naming the last error) once
+    /// the target database has not been reachable at start-up for this
+    /// many seconds. 0 waits for ever. Once running, an outage of the
+    /// target quarantines batches after `dlq.max_attempts` instead.
+    #[serde(default)]
+    pub give_up_after_secs: u64,
 }
 
 /// A token bucket per tenant in the materializer's batch formation. A
@@ -1292,7 +1314,52 @@ impl Config {
         }
         self.validate_dlq(&mut v);
         self.validate_partitioning(&mut v);
+        self.validate_columns(&mut v);
         v.errors
+    }
+
+    fn validate_columns(&self, v: &mut Validator) {
+        for (table, c) in &self.source.columns {
+            let base = format!("source.columns.\"{table}\"");
+            if !self.source.tables.contains(table) {
+                v.push(&base, format!("'{table}' is not one of source.tables"));
+            } else if self.outbox.contains_key(table) {
+                v.push(
+                    &base,
+                    format!("'{table}' is an outbox table; choose its event's columns with outbox.\"{table}\".headers"),
+                );
+            }
+            v.check(
+                !c.exclude.is_empty(),
+                &format!("{base}.exclude"),
+                "must name at least one column",
+            );
+            let tenant = self
+                .partitioning
+                .get(table)
+                .and_then(|p| p.tenant_column.as_deref());
+            for (i, name) in c.exclude.iter().enumerate() {
+                let field = format!("{base}.exclude[{i}]");
+                if name.is_empty() {
+                    v.push(&field, "must not be empty".into());
+                } else if c.exclude[..i].contains(name) {
+                    v.push(&field, format!("names {name} a second time"));
+                } else if tenant == Some(name.as_str()) {
+                    v.push(
+                        &field,
+                        format!("{name} is partitioning.\"{table}\".tenant_column, which every event must carry"),
+                    );
+                }
+            }
+        }
+    }
+
+    /// The columns of `table` (`schema.table`) left out of its events.
+    pub fn excluded_columns(&self, table: &str) -> &[String] {
+        self.source
+            .columns
+            .get(table)
+            .map_or(&[], |c| c.exclude.as_slice())
     }
 
     fn validate_partitioning(&self, v: &mut Validator) {
@@ -1704,6 +1771,7 @@ impl Config {
         rekey(&mut self.outbox, "outbox", &mut clashes);
         rekey(&mut self.dlq.mappings, "dlq.mappings", &mut clashes);
         rekey(&mut self.partitioning, "partitioning", &mut clashes);
+        rekey(&mut self.source.columns, "source.columns", &mut clashes);
         clashes
     }
 

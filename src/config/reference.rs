@@ -47,6 +47,8 @@ action = "archive"
 [outbox.TABLE]
 [partitioning.TABLE]
 salt_shards = 8
+[source.columns.TABLE]
+exclude = ["c"]
 "#;
 
 #[derive(Debug, Default)]
@@ -476,7 +478,9 @@ mod tests {
             for key in expected {
                 let key = key.split('`').next().unwrap_or(key);
                 assert!(
-                    md.contains(&format!("| `{key}` |")) || md.contains(&format!(".{key}]")),
+                    md.contains(&format!("| `{key}` |"))
+                        || md.contains(&format!(".{key}]"))
+                        || md.contains(&format!(".{key}.\"<schema.table>\"]")),
                     "{section}.{key} missing"
                 );
             }

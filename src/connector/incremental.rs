@@ -499,6 +499,10 @@ impl Engine {
         let Some((oid, desc)) = catalog::describe(sql, &schema, &name).await? else {
             return self.fail(output, format!("{table} no longer exists")).await;
         };
+        let desc = match super::exclude::without_excluded(&output.config, desc) {
+            Ok((desc, _)) => desc,
+            Err(e) => return self.fail(output, e).await,
+        };
         if catalog::unique_key_columns(sql, oid).await?.is_empty() {
             return self
                 .fail(

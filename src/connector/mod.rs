@@ -25,6 +25,7 @@
 //!                         standby status updates ◄───────┴─────────────────────────────────────┘
 //! ```
 
+mod exclude;
 pub mod incremental;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -887,18 +888,21 @@ const RESTART_MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// backoff again from [`RESTART_BACKOFF`], and a new outage.
 const HEALTHY_RUN: Duration = Duration::from_secs(60);
 
-/// The restart loop's memory of the current outage: the next backoff,
-/// and when its first attempt failed (for `source.give_up_after_secs`).
+/// A restart loop's memory of the current outage: the next backoff, and
+/// when its first attempt failed (for `source.give_up_after_secs`, and
+/// the materializer's `target.give_up_after_secs`).
 #[derive(Debug)]
-struct Outage {
+pub(crate) struct Outage {
     limit: Option<Duration>,
+    first: Duration,
+    max: Duration,
     backoff: Duration,
     since: Option<Instant>,
 }
 
-/// What the restart loop does after a failed attempt.
+/// What a restart loop does after a failed attempt.
 #[derive(Debug, PartialEq)]
-enum Next {
+pub(crate) enum Next {
     /// Wait this long, then attempt again.
     Wait(Duration),
     /// The outage has lasted this long, past the limit: stop.
@@ -906,25 +910,32 @@ enum Next {
 }
 
 impl Outage {
-    /// `limit_secs` 0: never give up.
+    /// The connector's: `limit_secs` 0 never gives up.
     fn new(limit_secs: u64) -> Outage {
+        Outage::with_backoff(limit_secs, RESTART_BACKOFF, RESTART_MAX_BACKOFF)
+    }
+
+    /// Waits `first` after the first failure, doubling up to `max`.
+    pub(crate) fn with_backoff(limit_secs: u64, first: Duration, max: Duration) -> Outage {
         Outage {
             limit: (limit_secs > 0).then(|| Duration::from_secs(limit_secs)),
-            backoff: RESTART_BACKOFF,
+            first,
+            max,
+            backoff: first,
             since: None,
         }
     }
 
     /// An attempt started at `started` failed at `now`. The last wait is
     /// cut short so that one attempt falls at the limit itself.
-    fn failed(&mut self, started: Instant, now: Instant) -> Next {
+    pub(crate) fn failed(&mut self, started: Instant, now: Instant) -> Next {
         if now.duration_since(started) >= HEALTHY_RUN {
-            self.backoff = RESTART_BACKOFF;
+            self.backoff = self.first;
             self.since = None;
         }
         let lasted = now.duration_since(*self.since.get_or_insert(now));
         let wait = self.backoff;
-        self.backoff = (self.backoff * 2).min(RESTART_MAX_BACKOFF);
+        self.backoff = (self.backoff * 2).min(self.max);
         match self.limit {
             Some(limit) if lasted >= limit => Next::GiveUp(lasted),
             Some(limit) => Next::Wait(wait.min(limit - lasted)),
@@ -1047,7 +1058,7 @@ async fn run_once(
         sql,
         output,
         mut repl,
-        codecs,
+        relations,
         snapshots,
         resume_commit,
     } = tokio::select! {
@@ -1062,7 +1073,7 @@ async fn run_once(
         &output,
         &mut repl,
         &sql,
-        codecs,
+        relations,
         snapshots,
         resume_commit,
         shutdown,
@@ -1098,7 +1109,7 @@ struct Ready {
     sql: Client,
     output: Output,
     repl: ReplicationClient,
-    codecs: HashMap<u32, TableCodec>,
+    relations: Relations,
     snapshots: incremental::Engine,
     /// Transactions committed at or before it are in Kafka already.
     resume_commit: u64,
@@ -1130,7 +1141,17 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
             &partition, &ancestor,
         )));
     }
+    for (table, c) in &config.source.columns {
+        if let Some(problem) = catalog::excluded_column_problem(&sql, table, &c.exclude).await? {
+            return Err(RunError::Config(problem));
+        }
+    }
     slot::ensure_publication(&sql, &config).await?;
+    // Before replication starts: a table renamed once streaming began must
+    // still be known by its oid (`Relations::captured`).
+    let captured = catalog::table_oids(&sql, &config.source.tables)
+        .await
+        .map_err(RunError::Config)?;
     check_tenant_columns(&sql, &config).await?;
     let topics: Vec<String> = config
         .changelog_tables()
@@ -1347,7 +1368,12 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
         sql,
         output,
         repl,
-        codecs,
+        relations: Relations {
+            codecs,
+            outside: HashSet::new(),
+            captured: captured.into_iter().collect(),
+            kept: exclude::Kept::default(),
+        },
         snapshots,
         resume_commit,
     })
@@ -1565,6 +1591,7 @@ async fn plan_table(
         .await?
         .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
     sessions.put(current);
+    let (desc, _) = exclude::without_excluded(&output.config, desc).map_err(RunError::Config)?;
     let columns = column_list(&desc);
     let qualified = format!(
         "{}.{}",
@@ -2036,7 +2063,12 @@ async fn copy_chunk(
         .columns
         .iter()
         .map(|c| (c.name.clone(), c.type_oid, c.type_modifier));
-    if !now.columns.into_iter().eq(planned) {
+    let excluded = output.config.excluded_columns(&codec.table);
+    let kept = now
+        .columns
+        .into_iter()
+        .filter(|(name, ..)| !excluded.contains(name));
+    if !kept.eq(planned) {
         return Err(RunError::Snapshot {
             table,
             message: "its columns changed during the snapshot (DDL); the next start takes the snapshot again".into(),
@@ -2491,20 +2523,12 @@ async fn stream(
     output: &Output,
     repl: &mut ReplicationClient,
     sql: &Client,
-    codecs: HashMap<u32, TableCodec>,
+    mut relations: Relations,
     mut snapshots: incremental::Engine,
     resume_commit: u64,
     shutdown: &mut crate::Shutdown,
     progress: &std::sync::atomic::AtomicU64,
 ) -> Result<u64, RunError> {
-    let mut relations = Relations {
-        codecs,
-        outside: HashSet::new(),
-        captured: catalog::table_oids(sql, &output.config.source.tables)
-            .await?
-            .into_iter()
-            .collect(),
-    };
     let mut confirmed = output.acks.confirmed();
     let mut failed = output.acks.failed();
     let mut txn: Option<Txn> = None;
@@ -2772,9 +2796,12 @@ struct Relations {
     /// TABLES`, a table added by hand), and the partition a change was made
     /// in, which pgoutput describes too when it publishes through the root.
     outside: HashSet<u32>,
-    /// The captured tables' oids when streaming started: a Relation naming
-    /// one of them outside `source.tables` is a captured table renamed.
+    /// The captured tables' oids, read before replication started: a
+    /// Relation naming one of them outside `source.tables` is a captured
+    /// table renamed.
     captured: HashSet<u32>,
+    /// The columns kept of tables that leave some out.
+    kept: exclude::Kept,
 }
 
 async fn on_message(
@@ -2790,7 +2817,10 @@ async fn on_message(
         codecs,
         outside,
         captured,
+        kept,
     } = relations;
+    // First of all: nothing below sees a left-out column's value.
+    let msg = kept.cut(msg, lsn).map_err(RunError::Config)?;
     if let Message::Relation(rel) = &msg {
         // Changes of relations outside the captured tables are skipped, as
         // Debezium's include list does: they have no snapshot, no topic
@@ -2813,7 +2843,10 @@ async fn on_message(
             return Ok(());
         }
         outside.remove(&rel.oid);
-        let desc = relation_desc(sql, rel).await?;
+        let (desc, columns) =
+            exclude::without_excluded(&output.config, relation_desc(sql, rel).await?)
+                .map_err(RunError::Config)?;
+        kept.described(rel.oid, columns);
         if codecs.get(&rel.oid).is_none_or(|c| c.desc != desc) {
             if codecs.contains_key(&rel.oid) {
                 tracing::info!(table = %desc.qualified(), %lsn, "schema change");

@@ -108,6 +108,12 @@ pub enum MaterializeError {
     /// A read model's SQL failed on the data of this batch.
     #[error("read model: {error}")]
     ViewRejected { class: &'static str, error: String },
+    #[error("gave up after {lasted_secs} s without the target database at start-up (target.give_up_after_secs = {limit_secs}); the last error: {last}")]
+    GaveUp {
+        lasted_secs: u64,
+        limit_secs: u64,
+        last: Box<MaterializeError>,
+    },
 }
 
 impl MaterializeError {
@@ -143,12 +149,12 @@ impl MaterializeError {
             MaterializeError::Config(_)
             | MaterializeError::Schema(_)
             | MaterializeError::Rejected
-            | MaterializeError::ViewRejected { .. } => None,
+            | MaterializeError::ViewRejected { .. }
+            | MaterializeError::GaveUp { .. } => None,
         }
     }
 }
 
-/// `<prefix>.dlq`.
 /// The materializer's consumer group: `target.group_id`, else
 /// `pgcdc-<name>`.
 pub fn group_id(config: &Config, target: &crate::config::TargetConfig) -> String {
@@ -951,8 +957,7 @@ pub async fn run(config: Config) -> Result<(), MaterializeError> {
         .target
         .clone()
         .ok_or_else(|| MaterializeError::Config("target: is required".into()))?;
-    let Some((mut db, prepared)) = start_on_target(&config, &target.url, &mut shutdown).await?
-    else {
+    let Some((mut db, prepared)) = start_on_target(&config, &target, &mut shutdown).await? else {
         tracing::info!("stopped before the target database answered");
         return Ok(());
     };
@@ -1225,18 +1230,25 @@ fn retry_delay(attempt: u32) -> Duration {
 /// Connects to the target and prepares it. A target that is not up yet
 /// (refused, starting up: what [`MaterializeError::retry_cause`] calls an
 /// outage of the target, when a deploy starts both at once) is waited for
-/// with backoff, as a later outage is; anything else (credentials, a
-/// missing database, a refused certificate, a bad read model) stops it.
-/// `None` when a stop is asked for while waiting.
+/// with backoff, as a later outage is, until `target.give_up_after_secs`
+/// (if set) runs out; anything else (credentials, a missing database, a
+/// refused certificate, a bad read model) stops it. `None` when a stop is
+/// asked for while waiting.
 async fn start_on_target(
     config: &Config,
-    url: &crate::secret::Dsn,
+    target: &crate::config::TargetConfig,
     shutdown: &mut crate::Shutdown,
 ) -> Result<Option<(Client, Prepared)>, MaterializeError> {
+    let mut outage = crate::connector::Outage::with_backoff(
+        target.give_up_after_secs,
+        retry_delay(1),
+        retry_delay(u32::MAX),
+    );
     let mut attempt = 0u32;
     loop {
+        let begun = Instant::now();
         let started = async {
-            let db = crate::source::connect(url).await?;
+            let db = crate::source::connect(&target.url).await?;
             let prepared = prepare(config, &db).await?;
             Ok::<_, MaterializeError>((db, prepared))
         }
@@ -1251,7 +1263,16 @@ async fn start_on_target(
             return Err(e);
         }
         attempt += 1;
-        let delay = retry_delay(attempt);
+        let delay = match outage.failed(begun, Instant::now()) {
+            crate::connector::Next::Wait(d) => d,
+            crate::connector::Next::GiveUp(lasted) => {
+                return Err(MaterializeError::GaveUp {
+                    lasted_secs: lasted.as_secs(),
+                    limit_secs: target.give_up_after_secs,
+                    last: Box::new(e),
+                })
+            }
+        };
         metrics::counter!(observe::MATERIALIZE_RETRIES, "cause" => "target").increment(1);
         tracing::warn!(attempt, error = %e, retry_in_ms = delay.as_millis() as u64,
             "target database not reachable at start-up; waiting for it");

@@ -120,21 +120,33 @@ pub struct Leaf {
     pub heap: bool,
 }
 
-/// The oids of the tables (`schema.table` as configured) that exist now.
-pub async fn table_oids(
-    client: &Client,
-    tables: &[String],
-) -> Result<Vec<u32>, tokio_postgres::Error> {
+/// The oids of the tables (`schema.table` as configured), in their order;
+/// a table that does not exist now is an error naming it, since a table
+/// renamed or dropped after the publication check would otherwise read as
+/// one pgcdc does not capture.
+pub async fn table_oids(client: &Client, tables: &[String]) -> Result<Vec<u32>, String> {
     let names = super::slot::sql_tables(tables);
-    Ok(client
+    let rows = client
         .query(
-            "SELECT to_regclass(t)::oid FROM unnest($1::text[]) t WHERE to_regclass(t) IS NOT NULL",
+            "SELECT to_regclass(t)::oid FROM unnest($1::text[]) WITH ORDINALITY u(t, i) ORDER BY i",
             &[&names],
         )
-        .await?
+        .await
+        .map_err(|e| format!("source.tables: looking up the tables: {e}"))?;
+    let oids: Vec<Option<u32>> = rows.iter().map(|r| r.get(0)).collect();
+    let missing: Vec<&str> = names
         .iter()
-        .map(|r| r.get(0))
-        .collect())
+        .zip(&oids)
+        .filter(|(_, o)| o.is_none())
+        .map(|(n, _)| n.as_str())
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "source.tables: {} does not exist (renamed or dropped while pgcdc started); add its name now to source.tables or restore it",
+            missing.join(", ")
+        ));
+    }
+    Ok(oids.into_iter().flatten().collect())
 }
 
 /// The relations publishing `tables` would cover that have no usable
@@ -573,6 +585,52 @@ fn unescape(raw: &[u8], field: &mut Vec<u8>) {
             other => field.push(other),
         }
     }
+}
+
+/// What is wrong with `source.columns.<table>.exclude`, if anything: each
+/// name must be a column of `table`, and not one of its key (see
+/// [`key_columns`]). The message names the field.
+pub async fn excluded_column_problem(
+    client: &Client,
+    table: &str,
+    excluded: &[String],
+) -> Result<Option<String>, tokio_postgres::Error> {
+    let base = format!("source.columns.\"{table}\"");
+    let Some(oid) = client
+        .query_one(
+            "SELECT to_regclass($1)::oid",
+            &[&super::slot::sql_table(table)],
+        )
+        .await?
+        .get::<_, Option<u32>>(0)
+    else {
+        return Ok(Some(format!("{base}: table {table} does not exist")));
+    };
+    let names: Vec<String> = client
+        .query(
+            "SELECT attname::text FROM pg_attribute WHERE attrelid = $1 AND attnum > 0 AND NOT attisdropped",
+            &[&oid],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    let keys = key_columns(client, oid).await?;
+    Ok(excluded.iter().enumerate().find_map(|(i, name)| {
+        let field = format!("{base}.exclude[{i}]");
+        if !names.contains(name) {
+            Some(format!("{field}: {table} has no column {name}"))
+        } else if keys.contains(name) {
+            Some(excluded_key(&field, name, table))
+        } else {
+            None
+        }
+    }))
+}
+
+/// Why `name`, a column of `table`'s key, cannot be left out (`field`).
+pub fn excluded_key(field: &str, name: &str, table: &str) -> String {
+    format!("{field}: {name} is a column of {table}'s key (its primary key or replica identity index, or every column under REPLICA IDENTITY FULL without one), which every event carries")
 }
 
 /// What stops `column` of `table` from serving as its tenant column

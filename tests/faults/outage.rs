@@ -278,3 +278,62 @@ async fn a_connector_gives_up_once_an_outage_outlasts_give_up_after_secs() {
     );
     assert_eq!(forever.terminate().await, 0);
 }
+
+/// `target.give_up_after_secs`: a materializer whose target database
+/// never answers at start-up stops with the last error once it has waited
+/// that long; one without the setting still waits then.
+#[tokio::test]
+async fn a_materializer_gives_up_on_a_target_absent_at_start_up_after_give_up_after_secs() {
+    let stack = support::stack();
+    let (closed, secret) = (support::free_port(), "give-up-target-secret");
+    let toml = format!(
+        "{}\n[target]\nurl = \"postgres://pgcdc:{secret}@127.0.0.1:{closed}/nowhere\"\n",
+        support::pipeline_toml(&stack, &stack.source_url, "give_up_target", &["public.t"])
+    );
+    let limited = support::ConfigFile::write(
+        &toml.replace("[target]\n", "[target]\ngive_up_after_secs = 3\n"),
+    );
+    let unlimited = support::ConfigFile::write(&toml);
+    let log = std::env::temp_dir().join(support::unique("give_up_target_log"));
+    let mut forever = tokio::process::Command::new(env!("CARGO_BIN_EXE_pgcdc"))
+        .args(["materialize", "--config", unlimited.arg()])
+        .stderr(std::fs::File::create(&log).expect("log file"))
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn pgcdc materialize");
+    let started = Instant::now();
+    let run = tokio::time::timeout(
+        Duration::from_secs(60),
+        support::pgcdc(&["materialize", "--config", limited.arg()]),
+    )
+    .await
+    .expect("the materializer did not give up within 60 s");
+    let took = started.elapsed();
+    assert_eq!(run.code, 1, "{}", run.stderr);
+    assert!(
+        run.stderr.contains(
+            "gave up after 3 s without the target database at start-up (target.give_up_after_secs = 3); the last error: target:"
+        ),
+        "{}",
+        run.stderr
+    );
+    // Waits of 0.4, 0.8 and 1.6 s, then a last one cut to reach 3 s.
+    let waits = run
+        .stderr
+        .matches("target database not reachable at start-up; waiting for it")
+        .count();
+    assert_eq!(waits, 4, "{}", run.stderr);
+    assert!(
+        took >= Duration::from_secs(3) && took < Duration::from_secs(30),
+        "gave up after {took:?}"
+    );
+    assert!(!run.all_output().contains(secret), "{}", run.all_output());
+    still_running(&mut forever, "materializer without give_up_after_secs");
+    let waited = std::fs::read_to_string(&log).expect("the log");
+    assert!(
+        waited.contains("target database not reachable at start-up; waiting for it"),
+        "{waited}"
+    );
+    assert_eq!(crate::materialize::terminate(forever).await, Some(0));
+    let _ = std::fs::remove_file(&log);
+}
