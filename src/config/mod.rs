@@ -2175,6 +2175,54 @@ url = "http://127.0.0.1:8081"
     }
 
     #[test]
+    fn left_out_columns_are_validated_by_field_path() {
+        let with = |extra: &str| {
+            format!(
+                "{}\n{extra}\n",
+                MINIMAL.replace(
+                    "[\"public.orders\"]",
+                    "[\"public.orders\", \"public.outbox\"]"
+                )
+            )
+        };
+        let ok = with("[source.columns.'public.\"orders\"']\nexclude = [\"secret\", \"Token\"]");
+        let c = load(&ok, &[]).expect("valid exclusion");
+        assert_eq!(c.excluded_columns("public.orders"), ["secret", "Token"]);
+        assert!(c.excluded_columns("public.outbox").is_empty());
+        let refused = |extra: &str| load(&with(extra), &[]).err().map(paths);
+        let base = "source.columns.\"public.orders\"";
+        for (extra, path) in [
+            ("exclude = []", format!("{base}.exclude")),
+            ("exclude = [\"a\", \"\"]", format!("{base}.exclude[1]")),
+            ("exclude = [\"a\", \"b\", \"a\"]", format!("{base}.exclude[2]")),
+            (
+                "exclude = [\"tenant\"]\n[partitioning.\"public.orders\"]\ntenant_column = \"tenant\"",
+                format!("{base}.exclude[0]"),
+            ),
+        ] {
+            assert_eq!(
+                refused(&format!("[source.columns.\"public.orders\"]\n{extra}")),
+                Some(vec![path.clone()]),
+                "{extra}"
+            );
+        }
+        assert_eq!(
+            refused("[source.columns.\"public.other\"]\nexclude = [\"a\"]"),
+            Some(vec!["source.columns.\"public.other\"".to_string()])
+        );
+        assert_eq!(
+            refused(
+                "[outbox.\"public.outbox\"]\n[source.columns.\"public.outbox\"]\nexclude = [\"a\"]"
+            ),
+            Some(vec!["source.columns.\"public.outbox\"".to_string()])
+        );
+        assert_eq!(
+            refused("[source.columns.\"public.orders\"]\nexclude = [\"a\"]\nexcluded = [\"b\"]"),
+            Some(vec!["source.columns.public.orders.excluded".to_string()])
+        );
+    }
+
+    #[test]
     fn partitioning_and_tenant_quotas_are_validated_by_field_path() {
         let with = |extra: &str| format!("{MINIMAL}\n{extra}\n");
         let ok = with(
