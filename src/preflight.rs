@@ -391,7 +391,7 @@ async fn source_checks(
         }
     }
     for (table, c) in &src.columns {
-        let name = format!("source.columns.{table}");
+        let name = format!("source.columns.\"{table}\"");
         match crate::source::catalog::excluded_column_problem(client, table, &c.exclude).await? {
             None => r.pass(
                 &name,

@@ -512,7 +512,7 @@ pub struct SourceConfig {
     pub give_up_after_secs: u64,
 }
 
-/// The columns of one captured table that pgcdc leaves out.
+/// One table's entry.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ColumnsConfig {

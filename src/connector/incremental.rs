@@ -500,7 +500,7 @@ impl Engine {
             return self.fail(output, format!("{table} no longer exists")).await;
         };
         let desc = match super::exclude::without_excluded(&output.config, desc) {
-            Ok((desc, _)) => desc,
+            Ok(desc) => desc,
             Err(e) => return self.fail(output, e).await,
         };
         if catalog::unique_key_columns(sql, oid).await?.is_empty() {

@@ -1150,7 +1150,7 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
     // Before replication starts: a table renamed once streaming began must
     // still be known by its oid (`Relations::captured`).
     let captured = catalog::table_oids(&sql, &config.source.tables)
-        .await
+        .await?
         .map_err(RunError::Config)?;
     check_tenant_columns(&sql, &config).await?;
     let topics: Vec<String> = config
@@ -1591,7 +1591,7 @@ async fn plan_table(
         .await?
         .ok_or_else(|| RunError::Config(format!("table {table} does not exist")))?;
     sessions.put(current);
-    let (desc, _) = exclude::without_excluded(&output.config, desc).map_err(RunError::Config)?;
+    let desc = exclude::without_excluded(&output.config, desc).map_err(RunError::Config)?;
     let columns = column_list(&desc);
     let qualified = format!(
         "{}.{}",
@@ -2843,10 +2843,9 @@ async fn on_message(
             return Ok(());
         }
         outside.remove(&rel.oid);
-        let (desc, columns) =
-            exclude::without_excluded(&output.config, relation_desc(sql, rel).await?)
-                .map_err(RunError::Config)?;
-        kept.described(rel.oid, columns);
+        let desc = kept
+            .describe(&output.config, rel.oid, relation_desc(sql, rel).await?, lsn)
+            .map_err(RunError::Config)?;
         if codecs.get(&rel.oid).is_none_or(|c| c.desc != desc) {
             if codecs.contains_key(&rel.oid) {
                 tracing::info!(table = %desc.qualified(), %lsn, "schema change");

@@ -1246,7 +1246,6 @@ async fn start_on_target(
     );
     let mut attempt = 0u32;
     loop {
-        let begun = Instant::now();
         let started = async {
             let db = crate::source::connect(&target.url).await?;
             let prepared = prepare(config, &db).await?;
@@ -1263,7 +1262,10 @@ async fn start_on_target(
             return Err(e);
         }
         attempt += 1;
-        let delay = match outage.failed(begun, Instant::now()) {
+        // No attempt here ran healthy for a while: each failure is the
+        // same outage, however long a connect took to fail.
+        let now = Instant::now();
+        let delay = match outage.failed(now, now) {
             crate::connector::Next::Wait(d) => d,
             crate::connector::Next::GiveUp(lasted) => {
                 return Err(MaterializeError::GaveUp {

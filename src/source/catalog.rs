@@ -124,15 +124,19 @@ pub struct Leaf {
 /// a table that does not exist now is an error naming it, since a table
 /// renamed or dropped after the publication check would otherwise read as
 /// one pgcdc does not capture.
-pub async fn table_oids(client: &Client, tables: &[String]) -> Result<Vec<u32>, String> {
+/// The outer error is the query's (an outage to retry), the inner one the
+/// missing tables' (a config matter).
+pub async fn table_oids(
+    client: &Client,
+    tables: &[String],
+) -> Result<Result<Vec<u32>, String>, tokio_postgres::Error> {
     let names = super::slot::sql_tables(tables);
     let rows = client
         .query(
             "SELECT to_regclass(t)::oid FROM unnest($1::text[]) WITH ORDINALITY u(t, i) ORDER BY i",
             &[&names],
         )
-        .await
-        .map_err(|e| format!("source.tables: looking up the tables: {e}"))?;
+        .await?;
     let oids: Vec<Option<u32>> = rows.iter().map(|r| r.get(0)).collect();
     let missing: Vec<&str> = names
         .iter()
@@ -141,12 +145,12 @@ pub async fn table_oids(client: &Client, tables: &[String]) -> Result<Vec<u32>, 
         .map(|(n, _)| n.as_str())
         .collect();
     if !missing.is_empty() {
-        return Err(format!(
+        return Ok(Err(format!(
             "source.tables: {} does not exist (renamed or dropped while pgcdc started); add its name now to source.tables or restore it",
             missing.join(", ")
-        ));
+        )));
     }
-    Ok(oids.into_iter().flatten().collect())
+    Ok(Ok(oids.into_iter().flatten().collect()))
 }
 
 /// The relations publishing `tables` would cover that have no usable

@@ -317,12 +317,13 @@ async fn a_materializer_gives_up_on_a_target_absent_at_start_up_after_give_up_af
         "{}",
         run.stderr
     );
-    // Waits of 0.4, 0.8 and 1.6 s, then a last one cut to reach 3 s.
+    // Waits of 0.4, 0.8 and 1.6 s, then (unless the attempts took the
+    // last 0.2 s) one cut to reach 3 s.
     let waits = run
         .stderr
         .matches("target database not reachable at start-up; waiting for it")
         .count();
-    assert_eq!(waits, 4, "{}", run.stderr);
+    assert!((3..=4).contains(&waits), "{waits} waits: {}", run.stderr);
     assert!(
         took >= Duration::from_secs(3) && took < Duration::from_secs(30),
         "gave up after {took:?}"
