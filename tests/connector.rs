@@ -1716,6 +1716,14 @@ async fn excluded_columns_never_leave_the_source() {
         "[source.snapshot]\nchunk_rows = 10\n[source.columns.\"public.users\"]\nexclude = [\"secret\"]\n[kafka]",
     );
     let (config, parsed) = ConfigFile::parsed(&base);
+    let args = [
+        "snapshot",
+        "--config",
+        config.arg(),
+        "--table",
+        "public.users",
+    ];
+    let snapshot = || support::pgcdc(&args);
 
     // Refusals first: nothing is created for them.
     for (exclude, expected) in [
@@ -1756,14 +1764,7 @@ async fn excluded_columns_never_leave_the_source() {
     let topic = format!("{}.public.users", db.name);
     // 30 snapshot rows, then c, u, d + tombstone, c, u.
     let read = events(&stack, &topic, 36).await;
-    let run = support::pgcdc(&[
-        "snapshot",
-        "--config",
-        config.arg(),
-        "--table",
-        "public.users",
-    ])
-    .await;
+    let run = snapshot().await;
     assert!(
         run.stdout.contains("public.users 31 rows"),
         "{}",
@@ -1832,14 +1833,7 @@ async fn excluded_columns_never_leave_the_source() {
         "{}",
         connector.log()
     );
-    let run = support::pgcdc(&[
-        "snapshot",
-        "--config",
-        config.arg(),
-        "--table",
-        "public.users",
-    ])
-    .await;
+    let run = snapshot().await;
     assert_ne!(run.code, 0, "{}", run.all_output());
     assert!(
         run.all_output().contains(
