@@ -337,6 +337,10 @@ pub struct PublicationGaps {
     /// the table's snapshot. Not in `missing`, whose check needs the fix
     /// first (the publication lists the partitions, not the table).
     pub by_partition: Vec<String>,
+    /// Captured tables whose column list (Postgres 15) leaves out columns
+    /// that `source.columns` does not: the stream would lack them while a
+    /// snapshot reads them. With those columns.
+    pub partial: Vec<(String, Vec<String>)>,
 }
 
 impl PublicationGaps {
@@ -362,6 +366,18 @@ impl PublicationGaps {
                 format!(
                     "ALTER PUBLICATION {publication} ADD TABLE {}",
                     sql_names(&self.missing)
+                ),
+            ))
+        } else if let Some((table, columns)) = self.partial.first() {
+            let quoted: Vec<String> = columns.iter().map(|c| format!("\"{c}\"")).collect();
+            Some((
+                format!(
+                    "publication '{publication}' publishes only some columns of {table} (a column list), without {}, which a snapshot would still read",
+                    columns.join(", ")
+                ),
+                format!(
+                    "leave them out: source.columns.\"{table}\".exclude = [{}] (or drop the publication's column list)",
+                    quoted.join(", ")
                 ),
             ))
         } else {
@@ -408,9 +424,37 @@ pub async fn publication_gaps(
         .filter(|t| !covered.contains(t) && !by_partition.contains(t))
         .cloned()
         .collect();
+    // Column lists and `attnames` exist from 15 on.
+    let mut partial: Vec<(String, Vec<String>)> = Vec::new();
+    if super::catalog::server_version(client).await? >= 150_000 {
+        for row in client
+            .query(
+                "SELECT pt.schemaname::text, pt.tablename::text, a.attname::text
+                 FROM pg_publication_tables pt
+                 JOIN pg_attribute a
+                   ON a.attrelid = format('%I.%I', pt.schemaname, pt.tablename)::regclass
+                  AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+                 WHERE pt.pubname = $1 AND NOT (a.attname = ANY (pt.attnames))
+                 ORDER BY 1, 2, a.attnum",
+                &[&src.publication],
+            )
+            .await?
+        {
+            let table = crate::config::table_name(row.get(0), row.get(1));
+            let column: String = row.get(2);
+            if !src.tables.contains(&table) || config.excluded_columns(&table).contains(&column) {
+                continue;
+            }
+            match partial.last_mut() {
+                Some((t, columns)) if *t == table => columns.push(column),
+                _ => partial.push((table, vec![column])),
+            }
+        }
+    }
     Ok(PublicationGaps {
         missing,
         by_partition,
+        partial,
     })
 }
 
