@@ -88,7 +88,8 @@ pub enum Command {
     /// streams: the connector reads them in key-ordered chunks and drops
     /// from each the keys that changes its read could not see touched, so
     /// a snapshot row never overwrites a newer change. Waits until it
-    /// completed unless --no-wait.
+    /// completed unless --no-wait. With --stop, ends the snapshots still
+    /// running or waiting (of the tables given, or all) instead.
     Snapshot(SnapshotArgs),
     /// The dead-letter workflow: list, show, review, approve, replay
     /// (schema check, idempotency check, then the apply path), archive,
@@ -325,8 +326,13 @@ pub struct SnapshotArgs {
     #[command(flatten)]
     pub config: ConfigArg,
     /// A captured table (schema.table); repeat for several.
-    #[arg(long = "table", required = true)]
+    #[arg(long = "table", required_unless_present = "stop")]
     pub tables: Vec<String>,
+    /// Stop the incremental snapshots still running or waiting that read
+    /// any of the --table tables (all of them without --table): each is
+    /// recorded as failed, and the rows it produced stay.
+    #[arg(long)]
+    pub stop: bool,
     /// Return once the request is in the WAL, without waiting.
     #[arg(long)]
     pub no_wait: bool,
@@ -616,6 +622,9 @@ async fn snapshot(args: &SnapshotArgs) -> Result<u8, Failure> {
         Some(_) => {}
     }
     let tables: Vec<String> = args.tables.iter().map(|t| canonical_table(t)).collect();
+    if args.stop {
+        return stop_snapshots(args, &config, &client, &tables).await;
+    }
     let id = incremental::signal(&client, &config, &tables)
         .await
         .map_err(Failure)?;
@@ -652,6 +661,49 @@ async fn snapshot(args: &SnapshotArgs) -> Result<u8, Failure> {
         done.consistent_point.as_deref().unwrap_or("?"),
         rows.join(", ")
     );
+    Ok(exit::OK)
+}
+
+/// `pgcdc snapshot --stop`: the unfinished snapshots of `tables` (or all),
+/// a stop request for them, then (unless --no-wait) their end.
+async fn stop_snapshots(
+    args: &SnapshotArgs,
+    config: &crate::config::Config,
+    client: &tokio_postgres::Client,
+    tables: &[String],
+) -> Result<u8, Failure> {
+    use crate::connector::incremental;
+    let unfinished = incremental::unfinished(config, tables)
+        .await
+        .map_err(Failure)?;
+    if unfinished.is_empty() {
+        println!("no incremental snapshot is running or waiting");
+        return Ok(exit::OK);
+    }
+    let ids: Vec<String> = unfinished.iter().filter_map(|m| m.id.clone()).collect();
+    incremental::signal_stop(client, config, &ids)
+        .await
+        .map_err(Failure)?;
+    for m in &unfinished {
+        println!(
+            "stop requested for incremental snapshot {} of {}",
+            m.id.as_deref().unwrap_or("?"),
+            m.tables.join(", ")
+        );
+    }
+    if args.no_wait {
+        return Ok(exit::OK);
+    }
+    let timeout = args.timeout_secs.map(std::time::Duration::from_secs);
+    for id in &ids {
+        match incremental::wait(config, id, timeout, |_| {}).await {
+            Ok(_) => println!("incremental snapshot {id} completed before the stop reached it"),
+            Err(e) if e.ends_with(incremental::STOPPED) => {
+                println!("incremental snapshot {id} stopped")
+            }
+            Err(e) => return Err(Failure(e)),
+        }
+    }
     Ok(exit::OK)
 }
 

@@ -402,3 +402,118 @@ async fn a_snapshot_that_cannot_run_is_refused_or_recorded_as_failed_while_strea
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }
+
+/// `pgcdc snapshot --stop`: ends the snapshots of the tables named,
+/// waiting ones before they began and the running one mid-table, each
+/// recorded as failed with the reason; the queue goes on, and with
+/// nothing left it says so.
+#[tokio::test]
+async fn snapshots_running_or_waiting_are_stopped_on_request() {
+    let stack = support::stack();
+    let (db, _, _) = setup(&stack, "incr_stop").await;
+    db.client()
+        .await
+        .batch_execute("CREATE TABLE public.small (id int PRIMARY KEY); INSERT INTO public.small SELECT generate_series(1, 5);")
+        .await
+        .expect("small");
+    // One row per chunk: the 3,000 rows of items take long enough.
+    let config = ConfigFile::write(&format!(
+        "{}\n[source.snapshot]\nincremental_chunk_rows = 1\n",
+        support::pipeline_toml(&stack, &db.url, &db.name, &["public.items", "public.small"])
+    ));
+    let parsed = pgcdc::config::Config::load(&config.path).expect("config");
+    let connector = ConnectorProcess::start(&config);
+    support::wait_snapshot_completed(&parsed).await;
+    let stop = |tables: &[&str]| {
+        let mut args = vec!["snapshot", "--config", config.arg(), "--stop"];
+        for t in tables {
+            args.extend(["--table", t]);
+        }
+        let args: Vec<String> = args.into_iter().map(String::from).collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            support::pgcdc(&args).await
+        }
+    };
+
+    let (_, running) = request(&config, "public.items", &["--no-wait"]).await;
+    let (_, first) = request(&config, "public.small", &["--no-wait"]).await;
+    let (_, second) = request(&config, "public.small", &["--no-wait"]).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    while marker(&parsed, &running)
+        .await
+        .is_none_or(|m| m.chunks.get("public.items").copied().unwrap_or(0) < 3)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no chunk was recorded"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for id in [&first, &second] {
+        assert_eq!(
+            marker(&parsed, id).await.map(|m| m.phase),
+            Some(Phase::Started),
+            "{id} waits behind {running}"
+        );
+    }
+
+    // The waiting ones only: items goes on.
+    let run = stop(&["public.small"]).await;
+    assert_eq!(run.code, 0, "{}", run.all_output());
+    for id in [&first, &second] {
+        assert!(
+            run.stdout
+                .contains(&format!("incremental snapshot {id} stopped")),
+            "{}",
+            run.all_output()
+        );
+        let m = marker(&parsed, id).await.expect("marker");
+        assert_eq!(m.phase, Phase::Failed);
+        assert_eq!(
+            m.error.as_deref(),
+            Some(pgcdc::connector::incremental::STOPPED)
+        );
+    }
+    let items = marker(&parsed, &running).await.expect("marker");
+    assert_eq!(
+        items.phase,
+        Phase::Started,
+        "{running} was not asked to stop"
+    );
+
+    // The running one, mid-table.
+    let run = stop(&[]).await;
+    assert_eq!(run.code, 0, "{}", run.all_output());
+    assert!(
+        run.stdout
+            .contains(&format!("incremental snapshot {running} stopped")),
+        "{}",
+        run.all_output()
+    );
+    let stopped = marker(&parsed, &running).await.expect("marker");
+    assert_eq!(stopped.phase, Phase::Failed);
+    let read = stopped.rows.get("public.items").copied().unwrap_or(0);
+    assert!(
+        read < ROWS as u64,
+        "{read} rows: it finished before the stop"
+    );
+    let run = stop(&[]).await;
+    assert!(
+        run.stdout
+            .contains("no incremental snapshot is running or waiting"),
+        "{}",
+        run.all_output()
+    );
+
+    // The engine is free for the next one.
+    let (done, _) = request(&config, "public.small", &["--timeout-secs", "120"]).await;
+    assert_eq!(done.code, 0, "{}", done.all_output());
+    assert!(
+        done.stdout.contains("public.small 5 rows"),
+        "{}",
+        done.all_output()
+    );
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}

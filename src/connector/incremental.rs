@@ -75,10 +75,20 @@ const MAX_ATTEMPTS: u32 = 4;
 pub struct Signal {
     pub slot: String,
     pub id: String,
-    /// Always `snapshot` for now.
+    /// [`SNAPSHOT`] (of `tables`) or [`STOP`] (of the snapshots `stop`).
     pub kind: String,
     pub tables: Vec<String>,
+    /// The ids of the snapshots a [`STOP`] ends.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stop: Vec<String>,
 }
+
+/// A signal's kind: take a snapshot.
+pub const SNAPSHOT: &str = "snapshot";
+/// A signal's kind: stop snapshots.
+pub const STOP: &str = "stop";
+/// The reason a stopped snapshot's marker gives.
+pub const STOPPED: &str = "stopped on request (pgcdc snapshot --stop)";
 
 /// The end of a chunk's read, in the WAL.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -157,6 +167,17 @@ pub async fn check_tables(sql: &Client, config: &Config, tables: &[String]) -> R
 /// snapshot's id.
 pub async fn signal(sql: &Client, config: &Config, tables: &[String]) -> Result<String, String> {
     check_tables(sql, config, tables).await?;
+    emit(sql, config, SNAPSHOT, tables.to_vec(), Vec::new()).await
+}
+
+/// Writes a signal of `kind` with a new id to the WAL; returns the id.
+async fn emit(
+    sql: &Client,
+    config: &Config,
+    kind: &str,
+    tables: Vec<String>,
+    stop: Vec<String>,
+) -> Result<String, String> {
     let id: String = sql
         .query_one("SELECT replace(gen_random_uuid()::text, '-', '')", &[])
         .await
@@ -165,8 +186,9 @@ pub async fn signal(sql: &Client, config: &Config, tables: &[String]) -> Result<
     let signal = Signal {
         slot: config.source.slot.clone(),
         id: id.clone(),
-        kind: "snapshot".into(),
-        tables: tables.to_vec(),
+        kind: kind.into(),
+        tables,
+        stop,
     };
     let content = serde_json::to_string(&signal).map_err(|e| e.to_string())?;
     sql.execute(
@@ -176,6 +198,44 @@ pub async fn signal(sql: &Client, config: &Config, tables: &[String]) -> Result<
     .await
     .map_err(|e| crate::source::error_text(&e))?;
     Ok(id)
+}
+
+/// The latest marker of each incremental snapshot of `slot` among
+/// `markers` (every marker of the topic, oldest first).
+fn latest_of(slot: &str, markers: Vec<Marker>) -> Vec<Marker> {
+    let mut latest: Vec<Marker> = Vec::new();
+    for m in markers
+        .into_iter()
+        .filter(|m| m.slot == slot && m.kind == Kind::Incremental)
+    {
+        match latest.iter_mut().find(|l| l.id == m.id) {
+            Some(l) => *l = m,
+            None => latest.push(m),
+        }
+    }
+    latest
+}
+
+/// The incremental snapshots of the pipeline's slot still running or
+/// waiting, of any of `tables` (all of them when empty).
+pub async fn unfinished(config: &Config, tables: &[String]) -> Result<Vec<Marker>, String> {
+    let topic = snapshot_marker::topic(config);
+    let markers = snapshot_marker::all(&config.kafka, &topic)
+        .await
+        .map_err(|e| format!("{topic}: {e}"))?;
+    Ok(latest_of(&config.source.slot, markers)
+        .into_iter()
+        .filter(|m| m.phase == Phase::Started)
+        .filter(|m| tables.is_empty() || m.tables.iter().any(|t| tables.contains(t)))
+        .collect())
+}
+
+/// Asks the connector (through the WAL, like [`signal`]) to stop the
+/// incremental snapshots `ids`: each is recorded as failed with the
+/// reason, and what it produced stays.
+pub async fn signal_stop(sql: &Client, config: &Config, ids: &[String]) -> Result<(), String> {
+    emit(sql, config, STOP, Vec::new(), ids.to_vec()).await?;
+    Ok(())
 }
 
 /// Waits until the snapshot `id` completed and returns its marker;
@@ -289,16 +349,7 @@ impl Engine {
     /// every marker of the topic). On a `new_slot` they are abandoned
     /// instead: their start offsets belong to the old slot's history.
     pub(super) fn resume(config: Arc<Config>, markers: Vec<Marker>, new_slot: bool) -> Engine {
-        let mut latest: Vec<Marker> = Vec::new();
-        for m in markers
-            .into_iter()
-            .filter(|m| m.slot == config.source.slot && m.kind == Kind::Incremental)
-        {
-            match latest.iter_mut().find(|l| l.id == m.id) {
-                Some(l) => *l = m,
-                None => latest.push(m),
-            }
-        }
+        let latest = latest_of(&config.source.slot, markers);
         let known = latest.iter().filter_map(|m| m.id.clone()).collect();
         let unfinished: Vec<Marker> = latest
             .into_iter()
@@ -373,7 +424,12 @@ impl Engine {
         let Some(mut marker) = self.queue.pop_front() else {
             return Ok(());
         };
-        tracing::error!(id = marker.id.as_deref().unwrap_or(""), %reason, "incremental snapshot failed");
+        let id = marker.id.as_deref().unwrap_or("");
+        if reason == STOPPED {
+            tracing::warn!(id, "incremental snapshot stopped on request");
+        } else {
+            tracing::error!(id, %reason, "incremental snapshot failed");
+        }
         marker.phase = Phase::Failed;
         marker.error = Some(reason);
         marker.ts_ms = now_ms();
@@ -399,6 +455,17 @@ impl Engine {
         };
         if signal.slot != self.config.source.slot || !self.known.insert(signal.id.clone()) {
             return Ok(false);
+        }
+        match signal.kind.as_str() {
+            SNAPSHOT => {}
+            STOP => return self.stop(output, &signal.stop).await,
+            other => {
+                tracing::warn!(
+                    kind = other,
+                    "a pgcdc signal of an unknown kind was ignored"
+                );
+                return Ok(false);
+            }
         }
         // A signal written by hand may spell a table another way.
         for t in &mut signal.tables {
@@ -442,6 +509,36 @@ impl Engine {
         tracing::info!(id = %signal.id, tables = ?signal.tables, "incremental snapshot started");
         self.queue.push_back(marker);
         Ok(true)
+    }
+
+    /// Ends the snapshots `ids`, running or waiting, as failed with
+    /// [`STOPPED`]; a chunk in flight is dropped (its high watermark no
+    /// longer matches). Returns whether it wrote to Kafka.
+    async fn stop(&mut self, output: &Output, ids: &[String]) -> Result<bool, RunError> {
+        let wanted = |m: &Marker| m.id.as_ref().is_some_and(|id| ids.contains(id));
+        let mut wrote = false;
+        if self.queue.front().is_some_and(wanted) {
+            self.fail(output, STOPPED.into()).await?;
+            wrote = true;
+        }
+        let (stopped, kept): (Vec<Marker>, Vec<Marker>) = std::mem::take(&mut self.queue)
+            .into_iter()
+            .partition(wanted);
+        self.queue = kept.into();
+        for mut m in stopped {
+            tracing::warn!(
+                id = m.id.as_deref().unwrap_or(""),
+                "incremental snapshot stopped before it began"
+            );
+            m.phase = Phase::Failed;
+            m.error = Some(STOPPED.into());
+            m.ts_ms = now_ms();
+            snapshot_marker::write(&output.producer, &self.config, &m)
+                .await
+                .map_err(RunError::Delivery)?;
+            wrote = true;
+        }
+        Ok(wrote)
     }
 
     /// Starts the next chunk's read when a snapshot waits and no chunk is
@@ -935,6 +1032,7 @@ mod tests {
             id: "abc".into(),
             kind: "snapshot".into(),
             tables: vec!["public.orders".into()],
+            stop: Vec::new(),
         };
         let text = serde_json::to_string(&s).unwrap_or_default();
         assert_eq!(
