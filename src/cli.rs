@@ -617,7 +617,8 @@ async fn snapshot(args: &SnapshotArgs) -> Result<u8, Failure> {
             )))
         }
         Some(s) if !s.active => eprintln!(
-            "note: no connector is streaming from slot '{name}' now; the snapshot begins when `pgcdc run` reads this request"
+            "note: no connector is streaming from slot '{name}' now; the {} when `pgcdc run` reads this request",
+            if args.stop { "snapshots stop" } else { "snapshot begins" }
         ),
         Some(_) => {}
     }
@@ -673,6 +674,9 @@ async fn stop_snapshots(
     tables: &[String],
 ) -> Result<u8, Failure> {
     use crate::connector::incremental;
+    if let Some(t) = tables.iter().find(|t| !config.source.tables.contains(t)) {
+        return Err(Failure(format!("--table {t}: not one of source.tables")));
+    }
     let unfinished = incremental::unfinished(config, tables)
         .await
         .map_err(Failure)?;
@@ -694,14 +698,26 @@ async fn stop_snapshots(
     if args.no_wait {
         return Ok(exit::OK);
     }
-    let timeout = args.timeout_secs.map(std::time::Duration::from_secs);
+    // One deadline for all of them.
+    let deadline = args
+        .timeout_secs
+        .map(|s| std::time::Instant::now() + std::time::Duration::from_secs(s));
     for id in &ids {
-        match incremental::wait(config, id, timeout, |_| {}).await {
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        match incremental::wait(config, id, left, |_| {}).await {
             Ok(_) => println!("incremental snapshot {id} completed before the stop reached it"),
             Err(e) if e.ends_with(incremental::STOPPED) => {
                 println!("incremental snapshot {id} stopped")
             }
-            Err(e) => return Err(Failure(e)),
+            // Ended for another reason meanwhile: ended all the same.
+            Err(e) if e.starts_with(&format!("incremental snapshot {id} failed: ")) => {
+                println!("{e}")
+            }
+            Err(e) => {
+                return Err(Failure(format!(
+                    "{e}; the stop request stays in the WAL for the connector"
+                )))
+            }
         }
     }
     Ok(exit::OK)

@@ -498,6 +498,16 @@ async fn snapshots_running_or_waiting_are_stopped_on_request() {
         read < ROWS as u64,
         "{read} rows: it finished before the stop"
     );
+    // What it produced is what its marker counts: the chunk being read
+    // when the stop came was dropped, not produced later.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let topic = format!("{}.public.items", db.name);
+    let produced = events(&stack, &topic)
+        .await
+        .iter()
+        .filter(|e| e.snapshot == "incremental")
+        .count() as u64;
+    assert_eq!(produced, read);
     let run = stop(&[]).await;
     assert!(
         run.stdout

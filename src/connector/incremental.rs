@@ -323,6 +323,9 @@ struct Chunk {
     /// The chunk's read, once it arrived.
     fetched: Option<Fetched>,
     reader: Option<oneshot::Receiver<Result<Fetched, String>>>,
+    /// The read's task, ended with the chunk (a stopped snapshot's read
+    /// may otherwise wait on for old transactions).
+    _task: super::AbortOnDrop,
 }
 
 /// The connector's incremental snapshots: a queue of requests, the first
@@ -646,7 +649,7 @@ impl Engine {
         let config = self.config.clone();
         let limit = config.source.snapshot.incremental_chunk_rows;
         let task_token = token.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let result = read_chunk(&config, &task_token, desc, &after, limit, first).await;
             let _ = tx.send(result);
         });
@@ -655,6 +658,7 @@ impl Engine {
             table,
             fetched: None,
             reader: Some(rx),
+            _task: super::AbortOnDrop(task),
         });
         Ok(())
     }

@@ -339,8 +339,18 @@ pub struct PublicationGaps {
     pub by_partition: Vec<String>,
     /// Captured tables whose column list (Postgres 15) leaves out columns
     /// that `source.columns` does not: the stream would lack them while a
-    /// snapshot reads them. With those columns.
-    pub partial: Vec<(String, Vec<String>)>,
+    /// snapshot reads them.
+    pub partial: Vec<PartialTable>,
+}
+
+/// A captured table a publication's column list covers in part.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct PartialTable {
+    pub table: String,
+    /// The columns outside the list that `exclude` does not name.
+    pub unlisted: Vec<String>,
+    /// The `exclude` list that would match: the configured one and those.
+    pub exclude: Vec<String>,
 }
 
 impl PublicationGaps {
@@ -368,15 +378,26 @@ impl PublicationGaps {
                     sql_names(&self.missing)
                 ),
             ))
-        } else if let Some((table, columns)) = self.partial.first() {
-            let quoted: Vec<String> = columns.iter().map(|c| format!("\"{c}\"")).collect();
+        } else if let Some(p) = self.partial.first() {
+            // TOML basic strings, which a column name may need escaped.
+            let quoted: Vec<String> = p
+                .exclude
+                .iter()
+                .map(|c| format!("\"{}\"", c.replace('\\', "\\\\").replace('"', "\\\"")))
+                .collect();
+            let more = match self.partial.len() {
+                1 => String::new(),
+                n => format!(" ({} more tables likewise)", n - 1),
+            };
             Some((
                 format!(
-                    "publication '{publication}' publishes only some columns of {table} (a column list), without {}, which a snapshot would still read",
-                    columns.join(", ")
+                    "publication '{publication}' publishes only some columns of {} (a column list), without {}, which a snapshot would still read{more}",
+                    p.table,
+                    p.unlisted.join(", ")
                 ),
                 format!(
-                    "leave them out: source.columns.\"{table}\".exclude = [{}] (or drop the publication's column list)",
+                    "leave them out: source.columns.\"{}\".exclude = [{}] (or drop the publication's column list)",
+                    p.table,
                     quoted.join(", ")
                 ),
             ))
@@ -425,29 +446,42 @@ pub async fn publication_gaps(
         .cloned()
         .collect();
     // Column lists and `attnames` exist from 15 on.
-    let mut partial: Vec<(String, Vec<String>)> = Vec::new();
+    let mut partial: Vec<PartialTable> = Vec::new();
     if super::catalog::server_version(client).await? >= 150_000 {
+        // Joined by name, and only the captured tables: a cast of every
+        // listed name would need USAGE on schemas pgcdc does not read.
         for row in client
             .query(
                 "SELECT pt.schemaname::text, pt.tablename::text, a.attname::text
                  FROM pg_publication_tables pt
+                 JOIN pg_namespace n ON n.nspname = pt.schemaname
+                 JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = pt.tablename
                  JOIN pg_attribute a
-                   ON a.attrelid = format('%I.%I', pt.schemaname, pt.tablename)::regclass
-                  AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
-                 WHERE pt.pubname = $1 AND NOT (a.attname = ANY (pt.attnames))
+                   ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = ''
+                 WHERE pt.pubname = $1
+                   AND c.oid = ANY (SELECT to_regclass(t)::oid FROM unnest($2::text[]) t)
+                   AND NOT (a.attname = ANY (pt.attnames))
                  ORDER BY 1, 2, a.attnum",
-                &[&src.publication],
+                &[&src.publication, &names],
             )
             .await?
         {
             let table = crate::config::table_name(row.get(0), row.get(1));
             let column: String = row.get(2);
-            if !src.tables.contains(&table) || config.excluded_columns(&table).contains(&column) {
+            let excluded = config.excluded_columns(&table);
+            if excluded.contains(&column) {
                 continue;
             }
             match partial.last_mut() {
-                Some((t, columns)) if *t == table => columns.push(column),
-                _ => partial.push((table, vec![column])),
+                Some(p) if p.table == table => {
+                    p.unlisted.push(column.clone());
+                    p.exclude.push(column);
+                }
+                _ => partial.push(PartialTable {
+                    table,
+                    unlisted: vec![column.clone()],
+                    exclude: excluded.iter().cloned().chain([column]).collect(),
+                }),
             }
         }
     }
@@ -599,6 +633,38 @@ pub fn quote_ident(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_partial_column_list_names_the_whole_exclude_list_to_set() {
+        let gaps = PublicationGaps {
+            partial: vec![
+                PartialTable {
+                    table: "public.cards".into(),
+                    unlisted: vec!["pan".into(), "say \"hi\"".into()],
+                    exclude: vec!["ssn".into(), "pan".into(), "say \"hi\"".into()],
+                },
+                PartialTable::default(),
+            ],
+            ..PublicationGaps::default()
+        };
+        let (problem, fix) = gaps.shortfall("p").expect("a gap");
+        assert_eq!(
+            problem,
+            "publication 'p' publishes only some columns of public.cards (a column list), without pan, say \"hi\", which a snapshot would still read (1 more tables likewise)"
+        );
+        assert_eq!(
+            fix,
+            r#"leave them out: source.columns."public.cards".exclude = ["ssn", "pan", "say \"hi\""] (or drop the publication's column list)"#
+        );
+        // The fix parses as TOML to the list it names.
+        let toml: toml::Value = toml::from_str(&format!(
+            "exclude = {}",
+            &fix[fix.find('[').unwrap_or(0)..fix.find(']').map_or(0, |i| i + 1)]
+        ))
+        .expect("toml");
+        assert_eq!(toml["exclude"].as_array().map(Vec::len), Some(3));
+        assert_eq!(PublicationGaps::default().shortfall("p"), None);
+    }
 
     #[test]
     fn suggested_sql_quotes_only_what_needs_it() {
