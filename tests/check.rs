@@ -428,3 +428,50 @@ async fn check_reports_existing_slot_publication_and_replica_identity() {
     );
     db.drop_db().await;
 }
+
+/// A changelog topic that takes smaller records than
+/// `kafka.max_message_bytes` (its own `max.message.bytes`) fails the
+/// check, naming the limit to set; a setting under it passes.
+#[tokio::test]
+async fn a_topic_smaller_than_max_message_bytes_fails_the_check() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "check_msgsize").await;
+    db.client()
+        .await
+        .batch_execute("CREATE TABLE public.t (id int PRIMARY KEY)")
+        .await
+        .expect("table");
+    let topic = format!("{}.public.t", db.name);
+    support::create_topic(&stack, &topic, &[("max.message.bytes", "50000")]).await;
+    let base = support::pipeline_toml(&stack, &db.url, &db.name, &["public.t"])
+        .replace("[kafka]\n", "[kafka]\npartitions = 1\n");
+    let check = format!("kafka.topic.{topic}");
+
+    let too_big = ConfigFile::write(&base);
+    let run = support::pgcdc(&["check", "--config", too_big.arg()]).await;
+    assert_eq!(run.code, 2, "{}", run.all_output());
+    let line = run.check_line(&check).unwrap_or_default();
+    assert!(
+        line.starts_with("FAIL")
+            && line.contains("takes records of at most 50000 bytes (max.message.bytes), less than kafka.max_message_bytes (1000000)"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout
+            .contains("set kafka.max_message_bytes to at most 48976"),
+        "{}",
+        run.stdout
+    );
+
+    let fitting =
+        ConfigFile::write(&base.replace("[kafka]\n", "[kafka]\nmax_message_bytes = 48976\n"));
+    let run = support::pgcdc(&["check", "--config", fitting.arg()]).await;
+    let line = run.check_line(&check).unwrap_or_default();
+    assert!(
+        line.starts_with("PASS") && line.contains("max.message.bytes=50000"),
+        "{}",
+        run.stdout
+    );
+    db.drop_db().await;
+}
