@@ -805,20 +805,20 @@ async fn check_kafka(config: &Config, r: &mut Report) {
                             .and_then(|e| e.value.clone())
                             .unwrap_or_else(|| "?".to_string())
                     };
-                    // An event under kafka.max_message_bytes that the
-                    // topic refuses would stop the connector instead of
-                    // being quarantined.
+                    // `pgcdc run` fits its bounds to such a topic.
+                    let framing = crate::sink::RECORD_FRAMING;
                     let limit = get("max.message.bytes").parse::<usize>().ok();
-                    match limit.filter(|l| *l < k.max_message_bytes + RECORD_FRAMING) {
-                        Some(limit) => r.fail(
+                    match limit.filter(|l| *l < k.max_message_bytes + framing) {
+                        Some(limit) => r.warn(
                             &name,
                             format!(
-                                "topic {topic} takes records of at most {limit} bytes (max.message.bytes), less than kafka.max_message_bytes ({}) and a record's framing: an event in between would stop the connector instead of being quarantined",
-                                k.max_message_bytes
+                                "topic {topic} takes records of at most {limit} bytes (max.message.bytes), less than kafka.max_message_bytes ({}) and a record's framing: `pgcdc run` quarantines events over {} bytes as oversized and keeps its batches under the limit",
+                                k.max_message_bytes,
+                                limit.saturating_sub(framing)
                             ),
                             format!(
-                                "set kafka.max_message_bytes to at most {}, or raise the topic's max.message.bytes",
-                                limit.saturating_sub(RECORD_FRAMING)
+                                "set kafka.max_message_bytes to at most {} to say so, or raise the topic's max.message.bytes",
+                                limit.saturating_sub(framing)
                             ),
                         ),
                         None => r.pass(
@@ -851,10 +851,6 @@ async fn check_kafka(config: &Config, r: &mut Report) {
         }
     }
 }
-
-/// Room a record needs beyond its key and value in a batch of its own:
-/// the batch and record headers, and pgcdc's headers.
-const RECORD_FRAMING: usize = 1024;
 
 /// A changelog topic's partition count against `kafka.partitions` and the
 /// table's salting: keys hash to `murmur2(key) mod partitions`, so a

@@ -412,6 +412,41 @@ pub async fn ensure_event_topics(kafka: &KafkaConfig, topics: &[String]) -> Resu
     create_missing(&kafka, topics, &[]).await
 }
 
+/// Room a record needs beyond its key and value in a batch of its own:
+/// the batch and record headers, and pgcdc's headers.
+pub const RECORD_FRAMING: usize = 1024;
+
+/// The smallest `max.message.bytes` among the `topics` that exist, and a
+/// topic that has it; `None` when the broker reports none.
+pub async fn smallest_message_limit(
+    kafka: &KafkaConfig,
+    topics: &[String],
+) -> Result<Option<(String, usize)>, String> {
+    use rdkafka::admin::ResourceSpecifier;
+    if topics.is_empty() {
+        return Ok(None);
+    }
+    let admin: AdminClient<Quiet> = client_config(kafka).client().map_err(|e| e.to_string())?;
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
+    let specs: Vec<ResourceSpecifier<'_>> =
+        topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let results = admin
+        .describe_configs(specs.iter(), &opts)
+        .await
+        .map_err(|e| format!("describe configs: {e}"))?;
+    Ok(topics
+        .iter()
+        .zip(results)
+        .filter_map(|(topic, r)| {
+            let limit = r
+                .ok()?
+                .get("max.message.bytes")
+                .and_then(|e| e.value.as_deref()?.parse::<usize>().ok())?;
+            Some((topic.clone(), limit))
+        })
+        .min_by_key(|(_, limit)| *limit))
+}
+
 /// Refuses a dead-letter topic that would lose quarantined messages: one
 /// created earlier with compaction (records of one key replace each
 /// other). A retention the broker reports is only warned about.

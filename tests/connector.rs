@@ -1918,3 +1918,57 @@ async fn a_publication_column_list_must_match_the_left_out_columns() {
     assert_eq!(connector.terminate().await, 0);
     db.drop_db().await;
 }
+
+/// A changelog topic made by hand with a smaller `max.message.bytes`
+/// than `kafka.max_message_bytes`: the connector keeps to the topic's
+/// limit, so a transaction of many small rows (batches over the limit
+/// would be refused) streams, and an event over it is quarantined as
+/// oversized rather than refused by the broker.
+#[tokio::test]
+async fn a_topic_with_a_smaller_record_limit_bounds_events_and_batches() {
+    let stack = support::stack();
+    let db = TestDb::create(&stack, "run_msglimit").await;
+    let client = db.client().await;
+    client
+        .batch_execute("CREATE TABLE public.docs (id bigint PRIMARY KEY, body text NOT NULL)")
+        .await
+        .expect("table");
+    let topic = format!("{}.public.docs", db.name);
+    support::create_topic(&stack, &topic, &[("max.message.bytes", "50000")]).await;
+    let config = ConfigFile::write(
+        &support::pipeline_toml(&stack, &db.url, &db.name, &["public.docs"])
+            .replace("[kafka]\n", "[kafka]\npartitions = 1\n"),
+    );
+    let connector = ConnectorProcess::start(&config);
+    support::wait_streaming(&client, &db.name).await;
+    // 300 rows of 1 kB of md5s (which do not compress away) in one
+    // transaction, then one of 60 kB, then a small one.
+    client
+        .batch_execute(
+            "INSERT INTO public.docs SELECT n, (SELECT string_agg(md5((n * 100 + g)::text), '') FROM generate_series(1, 32) g) FROM generate_series(1, 300) n;
+             INSERT INTO public.docs SELECT 1000, string_agg(md5(g::text), '') FROM generate_series(1, 1875) g;
+             INSERT INTO public.docs VALUES (1001, 'after');",
+        )
+        .await
+        .expect("rows");
+    let read = events(&stack, &topic, 301).await;
+    let ids: Vec<i64> = read.iter().map(Event::key_id).collect();
+    assert_eq!(ids, (1..=300).chain([1001]).collect::<Vec<_>>());
+    let dlq = format!("{}.dlq", db.name);
+    let parts = support::read_topic(&stack, &dlq, 2, Duration::from_secs(60)).await;
+    assert!(
+        parts
+            .iter()
+            .all(|p| p.header("pgcdc.failure.class") == Some("oversized")
+                && p.value.as_ref().is_some_and(|v| v.len() < 50_000)),
+        "{parts:?}"
+    );
+    let log = connector.log();
+    assert!(
+        log.contains("a topic takes smaller records than kafka.max_message_bytes")
+            && log.contains("effective=48976"),
+        "{log}"
+    );
+    assert_eq!(connector.terminate().await, 0);
+    db.drop_db().await;
+}

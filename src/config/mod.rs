@@ -643,8 +643,9 @@ pub struct KafkaConfig {
     pub transaction_interval_ms: u64,
     /// The largest record (key and value) the broker takes; a changelog
     /// event over it is quarantined as `oversized` (in parts) instead of
-    /// stopping the connector. Keep it at or below the topics'
-    /// `max.message.bytes`.
+    /// stopping the connector. A topic the connector writes whose
+    /// `max.message.bytes` is smaller lowers it at start-up (less 1 KiB of
+    /// framing), with a warning.
     #[serde(default = "default_max_message_bytes")]
     pub max_message_bytes: usize,
     /// Passed through to librdkafka (SASL, SSL, compression, ...).

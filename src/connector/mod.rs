@@ -1128,6 +1128,39 @@ async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunEr
     Ok(())
 }
 
+/// `config` with its message bounds under the smallest `max.message.bytes`
+/// of the topics it writes (`changelog`, the transaction and dead-letter
+/// topics), when one is lower: an event over it is then quarantined as
+/// oversized, and librdkafka's batches (`batch.size`, unless set) stay
+/// under it, instead of the broker refusing them and stopping the
+/// connector.
+async fn fit_to_topics(config: Arc<Config>, changelog: &[String]) -> Result<Arc<Config>, RunError> {
+    let mut topics = changelog.to_vec();
+    topics.push(transaction_topic(&config));
+    topics.push(crate::materialize::dlq_topic(&config));
+    let smallest = sink::smallest_message_limit(&config.kafka, &topics)
+        .await
+        .map_err(RunError::Delivery)?;
+    let Some((topic, limit)) =
+        smallest.filter(|(_, l)| *l < config.kafka.max_message_bytes + sink::RECORD_FRAMING)
+    else {
+        return Ok(config);
+    };
+    let fits = limit.saturating_sub(sink::RECORD_FRAMING).max(1);
+    let mut fitted = (*config).clone();
+    fitted.kafka.max_message_bytes = fits;
+    let batch = fitted
+        .kafka
+        .properties
+        .0
+        .entry("batch.size".into())
+        .or_insert_with(|| fits.to_string());
+    tracing::warn!(%topic, max_message_bytes = limit, kafka_max_message_bytes = config.kafka.max_message_bytes,
+        effective = fits, batch_size = %batch,
+        "a topic takes smaller records than kafka.max_message_bytes: larger events are quarantined as oversized, and batches kept under its limit (set kafka.max_message_bytes to at most the effective value to silence this)");
+    Ok(Arc::new(fitted))
+}
+
 /// Start-up: publication, topics, the slot, the initial snapshot of a new
 /// slot, then the replication stream started from the slot's position.
 async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<Ready, RunError> {
@@ -1158,6 +1191,7 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
         .flat_map(|t| config.topics_of(t))
         .collect();
     sink::ensure_topics(&config.kafka, &topics).await?;
+    let config = fit_to_topics(config, &topics).await?;
     let partitions =
         sink::partition_counts(&config.kafka, &partitioning.counted_topics(&config)).await?;
     let db: String = sql
