@@ -416,15 +416,44 @@ pub async fn ensure_event_topics(kafka: &KafkaConfig, topics: &[String]) -> Resu
 /// the batch and record headers, and pgcdc's headers.
 pub const RECORD_FRAMING: usize = 1024;
 
-/// The smallest `max.message.bytes` among the `topics` that exist, and a
-/// topic that has it; `None` when the broker reports none.
-pub async fn smallest_message_limit(
+/// librdkafka's `batch.size` when the user sets none.
+pub const LIBRDKAFKA_BATCH_SIZE: usize = 1_000_000;
+
+/// The `batch.size` librdkafka works with: the user's, or its default.
+pub fn batch_size(kafka: &KafkaConfig) -> usize {
+    kafka
+        .properties
+        .0
+        .get("batch.size")
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(LIBRDKAFKA_BATCH_SIZE)
+}
+
+/// The record bounds the connector keeps to: `kafka.max_message_bytes`,
+/// lowered for each topic whose `max.message.bytes` (less
+/// [`RECORD_FRAMING`]) is smaller.
+#[derive(Debug, Clone, Default)]
+pub struct Limits {
+    pub default: usize,
+    pub topics: HashMap<String, usize>,
+}
+
+impl Limits {
+    /// The largest key and value a record to `topic` may have.
+    pub fn of(&self, topic: &str) -> usize {
+        self.topics.get(topic).copied().unwrap_or(self.default)
+    }
+}
+
+/// The `max.message.bytes` of each of the `topics` that exist and whose
+/// configs the broker gives.
+pub async fn message_limits(
     kafka: &KafkaConfig,
     topics: &[String],
-) -> Result<Option<(String, usize)>, String> {
+) -> Result<HashMap<String, usize>, String> {
     use rdkafka::admin::ResourceSpecifier;
     if topics.is_empty() {
-        return Ok(None);
+        return Ok(HashMap::new());
     }
     let admin: AdminClient<Quiet> = client_config(kafka).client().map_err(|e| e.to_string())?;
     let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(30)));
@@ -444,7 +473,7 @@ pub async fn smallest_message_limit(
                 .and_then(|e| e.value.as_deref()?.parse::<usize>().ok())?;
             Some((topic.clone(), limit))
         })
-        .min_by_key(|(_, limit)| *limit))
+        .collect())
 }
 
 /// Refuses a dead-letter topic that would lose quarantined messages: one
@@ -502,6 +531,7 @@ async fn create_missing(
     if missing.is_empty() {
         return Ok(());
     }
+    let room = (kafka.max_message_bytes.max(batch_size(kafka)) + RECORD_FRAMING).to_string();
     let new: Vec<NewTopic<'_>> = missing
         .iter()
         .map(|t| {
@@ -511,6 +541,9 @@ async fn create_missing(
                 TopicReplication::Fixed(kafka.replication_factor),
             )
             .set("cleanup.policy", kafka.cleanup_policy.as_str())
+            // Room for the largest record and batch pgcdc produces,
+            // whatever the broker's default.
+            .set("max.message.bytes", &room)
         })
         .map(|t| extra.iter().fold(t, |t, (k, v)| t.set(k, v)))
         .collect();

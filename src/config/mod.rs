@@ -598,6 +598,9 @@ fn default_snapshot_chunk_rows() -> u64 {
     DEFAULT_SNAPSHOT_CHUNK_ROWS
 }
 /// librdkafka's own default `message.max.bytes`.
+/// The least `kafka.max_message_bytes` (dead-letter records need room).
+pub const MIN_MESSAGE_BYTES: usize = 16_384;
+
 fn default_max_message_bytes() -> usize {
     1_000_000
 }
@@ -1127,7 +1130,7 @@ impl Config {
             "must be between 1 and 60000",
         );
         v.check(
-            (16_384..=1_000_000_000).contains(&k.max_message_bytes),
+            (MIN_MESSAGE_BYTES..=1_000_000_000).contains(&k.max_message_bytes),
             "kafka.max_message_bytes",
             "must be between 16384 and 1000000000",
         );

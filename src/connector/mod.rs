@@ -190,6 +190,8 @@ struct Output {
     /// The initial snapshot's rows go here, untracked, when not exactly
     /// once; [`run_snapshot`] flushes it before releasing any position.
     bulk: Option<sink::BulkProducer>,
+    /// Record bounds per topic, read at start-up ([`fit_to_topics`]).
+    limits: Arc<sink::Limits>,
 }
 
 impl Output {
@@ -352,12 +354,10 @@ impl Output {
             Err(e) => return Err(encode_err(e)),
         };
         let size = value.len() + key.as_ref().map_or(0, Vec::len);
-        if size > self.config.kafka.max_message_bytes {
+        let limit = self.limits.of(topic);
+        if size > limit {
             if let Verdict::Quarantine(class) = classify(&Fault::TooLarge) {
-                let error = format!(
-                    "{size} bytes, over kafka.max_message_bytes ({})",
-                    self.config.kafka.max_message_bytes
-                );
+                let error = format!("{size} bytes, over {}", self.limit_text(topic));
                 self.quarantine(
                     topic,
                     op,
@@ -557,12 +557,9 @@ impl Output {
                             outbox.route_by
                         ),
                     )),
-                    Ok(_) if size > self.config.kafka.max_message_bytes => Err((
+                    Ok(t) if size > self.limits.of(&t) => Err((
                         Fault::TooLarge,
-                        format!(
-                            "{size} bytes, over kafka.max_message_bytes ({})",
-                            self.config.kafka.max_message_bytes
-                        ),
+                        format!("{size} bytes, over {}", self.limit_text(&t)),
                     )),
                     Ok(t) => Ok(t),
                 }
@@ -624,6 +621,16 @@ impl Output {
     /// A topic no route may write to: a changelog, the transaction, dead-
     /// letter, snapshot-marker or offsets topic. A topic already routed to
     /// passed this check when it was created.
+    /// The bound on records to `topic`, in words.
+    fn limit_text(&self, topic: &str) -> String {
+        let limit = self.limits.of(topic);
+        if limit < self.limits.default {
+            format!("{limit}, the bound of topic {topic} (its max.message.bytes less framing)")
+        } else {
+            format!("kafka.max_message_bytes ({limit})")
+        }
+    }
+
     fn reserved_topic(&self, topic: &str) -> bool {
         if self.known_domain_topic(topic) {
             return false;
@@ -702,7 +709,7 @@ impl Output {
         let records = q.records(
             value,
             key.map_or(0, <[u8]>::len),
-            self.config.kafka.max_message_bytes,
+            self.limits.of(&dlq),
             &origin,
         );
         for (headers, part) in records {
@@ -1128,37 +1135,79 @@ async fn check_tenant_columns(sql: &Client, config: &Config) -> Result<(), RunEr
     Ok(())
 }
 
-/// `config` with its message bounds under the smallest `max.message.bytes`
-/// of the topics it writes (`changelog`, the transaction and dead-letter
-/// topics), when one is lower: an event over it is then quarantined as
-/// oversized, and librdkafka's batches (`batch.size`, unless set) stay
-/// under it, instead of the broker refusing them and stopping the
-/// connector.
-async fn fit_to_topics(config: Arc<Config>, changelog: &[String]) -> Result<Arc<Config>, RunError> {
+/// The record bounds of the topics the connector writes (each table's
+/// topics, the transaction and dead-letter topics): a topic whose
+/// `max.message.bytes` is under `kafka.max_message_bytes` plus
+/// [`sink::RECORD_FRAMING`] gets a lower bound, so that an event over it
+/// is quarantined as oversized instead of refused by the broker; and
+/// `config` with librdkafka's `batch.size` (unless set) under the
+/// smallest `max.message.bytes` of them all, so that no batch is refused
+/// either. A table's bound is the smallest of its topics'. Limits the
+/// broker does not give are warned about and left as they are.
+async fn fit_to_topics(
+    config: Arc<Config>,
+    changelog: &[String],
+) -> Result<(Arc<Config>, sink::Limits), RunError> {
     let mut topics = changelog.to_vec();
     topics.push(transaction_topic(&config));
     topics.push(crate::materialize::dlq_topic(&config));
-    let smallest = sink::smallest_message_limit(&config.kafka, &topics)
-        .await
-        .map_err(RunError::Delivery)?;
-    let Some((topic, limit)) =
-        smallest.filter(|(_, l)| *l < config.kafka.max_message_bytes + sink::RECORD_FRAMING)
-    else {
-        return Ok(config);
+    let default = config.kafka.max_message_bytes;
+    let mut limits = sink::Limits {
+        default,
+        topics: Default::default(),
     };
-    let fits = limit.saturating_sub(sink::RECORD_FRAMING).max(1);
+    let read = match sink::message_limits(&config.kafka, &topics).await {
+        Ok(read) => read,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the topics' max.message.bytes; keeping to kafka.max_message_bytes");
+            return Ok((config, limits));
+        }
+    };
+    for (topic, limit) in &read {
+        let fits = limit.saturating_sub(sink::RECORD_FRAMING);
+        if fits >= default {
+            continue;
+        }
+        if fits < crate::config::MIN_MESSAGE_BYTES {
+            return Err(RunError::Config(format!(
+                "topic {topic} takes records of at most {limit} bytes (max.message.bytes): too few for pgcdc, which needs {} (raise it)",
+                crate::config::MIN_MESSAGE_BYTES + sink::RECORD_FRAMING
+            )));
+        }
+        tracing::warn!(%topic, max_message_bytes = limit, effective = fits,
+            "a topic takes smaller records than kafka.max_message_bytes: events over the effective size are quarantined as oversized, and batches kept under it");
+        limits.topics.insert(topic.clone(), fits);
+    }
+    // A table's events go to any of its topics.
+    for table in config.changelog_tables() {
+        let of_table = config.topics_of(table);
+        if let Some(least) = of_table.iter().map(|t| limits.of(t)).min() {
+            if least < default {
+                limits.topics.insert(config.topic_for(table), least);
+            }
+        }
+    }
+    // A batch holds records of any size: it must fit the smallest topic.
+    let Some(room) = read
+        .values()
+        .map(|l| l.saturating_sub(sink::RECORD_FRAMING))
+        .min()
+        .filter(|room| *room < sink::batch_size(&config.kafka))
+    else {
+        return Ok((config, limits));
+    };
+    if config.kafka.properties.0.contains_key("batch.size") {
+        tracing::warn!(batch_size = sink::batch_size(&config.kafka), room,
+            "kafka.properties sets batch.size above a topic's max.message.bytes: the broker may refuse batches to it");
+        return Ok((config, limits));
+    }
     let mut fitted = (*config).clone();
-    fitted.kafka.max_message_bytes = fits;
-    let batch = fitted
+    fitted
         .kafka
         .properties
         .0
-        .entry("batch.size".into())
-        .or_insert_with(|| fits.to_string());
-    tracing::warn!(%topic, max_message_bytes = limit, kafka_max_message_bytes = config.kafka.max_message_bytes,
-        effective = fits, batch_size = %batch,
-        "a topic takes smaller records than kafka.max_message_bytes: larger events are quarantined as oversized, and batches kept under its limit (set kafka.max_message_bytes to at most the effective value to silence this)");
-    Ok(Arc::new(fitted))
+        .insert("batch.size".into(), room.to_string());
+    Ok((Arc::new(fitted), limits))
 }
 
 /// Start-up: publication, topics, the slot, the initial snapshot of a new
@@ -1191,7 +1240,7 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
         .flat_map(|t| config.topics_of(t))
         .collect();
     sink::ensure_topics(&config.kafka, &topics).await?;
-    let config = fit_to_topics(config, &topics).await?;
+    let (config, limits) = fit_to_topics(config, &topics).await?;
     let partitions =
         sink::partition_counts(&config.kafka, &partitioning.counted_topics(&config)).await?;
     let db: String = sql
@@ -1290,6 +1339,7 @@ async fn prepare(config: Arc<Config>, partitioning: Arc<Partitioner>) -> Result<
         partitioning,
         partitions: Arc::new(partitions),
         bulk: None,
+        limits: Arc::new(limits),
     };
 
     let mut repl = ReplicationClient::connect_gated(replication_config(&config)?).await?;
