@@ -215,7 +215,7 @@ async fn check_source(config: &Config, r: &mut Report) {
     if let Err(e) = source_checks(&client, config, r).await {
         r.fail(
             "postgres.query",
-            format!("a catalog query failed: {e}"),
+            format!("a catalog query failed: {}", crate::source::error_text(&e)),
             "check that the role can read pg_catalog",
         );
     }

@@ -128,6 +128,15 @@ async fn the_pipeline_runs_under_least_privilege_roles_and_never_shows_a_secret(
         )
         .await
         .expect("grant capture");
+    // The publication also covers a table in a schema the connector's
+    // role may not use: its checks must not need that schema.
+    source_admin
+        .batch_execute(&format!(
+            "CREATE SCHEMA private; CREATE TABLE private.t (id int PRIMARY KEY);
+             ALTER PUBLICATION {name} ADD TABLE private.t;"
+        ))
+        .await
+        .expect("private schema");
     target_admin
         .execute("SELECT pgcdc_admin.grant_apply('pgcdc_materializer')", &[])
         .await
@@ -186,6 +195,13 @@ async fn the_pipeline_runs_under_least_privilege_roles_and_never_shows_a_secret(
     assert_no_secret("validate", &validate.all_output());
     let check = support::pgcdc(&["check", "--config", config.arg()]).await;
     assert_no_secret("check", &check.all_output());
+    assert!(
+        check
+            .check_line("postgres.publication")
+            .is_some_and(|l| l.starts_with("PASS")),
+        "{}",
+        check.all_output()
+    );
 
     let (connector_metrics, materializer_metrics) = (
         format!("127.0.0.1:{}", support::free_port()),
