@@ -806,19 +806,19 @@ async fn check_kafka(config: &Config, r: &mut Report) {
                             .unwrap_or_else(|| "?".to_string())
                     };
                     // `pgcdc run` fits its bounds to such a topic.
-                    let framing = crate::sink::RECORD_FRAMING;
                     let limit = get("max.message.bytes").parse::<usize>().ok();
-                    match limit.filter(|l| *l < k.max_message_bytes + framing) {
-                        Some(limit) => r.warn(
+                    let lowered = limit.and_then(|l| {
+                        crate::sink::lowered_bound(k.max_message_bytes, l).map(|b| (l, b))
+                    });
+                    match lowered {
+                        Some((limit, bound)) => r.warn(
                             &name,
                             format!(
-                                "topic {topic} takes records of at most {limit} bytes (max.message.bytes), less than kafka.max_message_bytes ({}) and a record's framing: `pgcdc run` quarantines events over {} bytes as oversized and keeps its batches under the limit",
+                                "topic {topic} takes records of at most {limit} bytes (max.message.bytes), less than kafka.max_message_bytes ({}) and a record's framing: `pgcdc run` quarantines events over {bound} bytes as oversized and keeps its batches under the limit",
                                 k.max_message_bytes,
-                                limit.saturating_sub(framing)
                             ),
                             format!(
-                                "set kafka.max_message_bytes to at most {} to say so, or raise the topic's max.message.bytes",
-                                limit.saturating_sub(framing)
+                                "set kafka.max_message_bytes to at most {bound} to say so, or raise the topic's max.message.bytes"
                             ),
                         ),
                         None => r.pass(

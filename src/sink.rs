@@ -416,6 +416,14 @@ pub async fn ensure_event_topics(kafka: &KafkaConfig, topics: &[String]) -> Resu
 /// the batch and record headers, and pgcdc's headers.
 pub const RECORD_FRAMING: usize = 1024;
 
+/// The bound on a record's key and value for a topic whose
+/// `max.message.bytes` is `topic_limit`, when it is under
+/// `max_message_bytes`; `None` when the topic takes that much.
+pub fn lowered_bound(max_message_bytes: usize, topic_limit: usize) -> Option<usize> {
+    let fits = topic_limit.saturating_sub(RECORD_FRAMING);
+    (fits < max_message_bytes).then_some(fits)
+}
+
 /// librdkafka's `batch.size` when the user sets none.
 pub const LIBRDKAFKA_BATCH_SIZE: usize = 1_000_000;
 

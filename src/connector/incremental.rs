@@ -424,7 +424,7 @@ impl Engine {
         self.chunk = None;
         self.watch = None;
         self.attempts = 0;
-        let Some(mut marker) = self.queue.pop_front() else {
+        let Some(marker) = self.queue.pop_front() else {
             return Ok(());
         };
         let id = marker.id.as_deref().unwrap_or("");
@@ -433,6 +433,16 @@ impl Engine {
         } else {
             tracing::error!(id, %reason, "incremental snapshot failed");
         }
+        self.record_failed(output, marker, reason).await
+    }
+
+    /// Writes `marker` as failed with `reason`.
+    async fn record_failed(
+        &self,
+        output: &Output,
+        mut marker: Marker,
+        reason: String,
+    ) -> Result<(), RunError> {
         marker.phase = Phase::Failed;
         marker.error = Some(reason);
         marker.ts_ms = now_ms();
@@ -528,17 +538,12 @@ impl Engine {
             .into_iter()
             .partition(wanted);
         self.queue = kept.into();
-        for mut m in stopped {
+        for m in stopped {
             tracing::warn!(
                 id = m.id.as_deref().unwrap_or(""),
                 "incremental snapshot stopped before it began"
             );
-            m.phase = Phase::Failed;
-            m.error = Some(STOPPED.into());
-            m.ts_ms = now_ms();
-            snapshot_marker::write(&output.producer, &self.config, &m)
-                .await
-                .map_err(RunError::Delivery)?;
+            self.record_failed(output, m, STOPPED.into()).await?;
             wrote = true;
         }
         Ok(wrote)
@@ -547,20 +552,14 @@ impl Engine {
     /// Starts the next chunk's read when a snapshot waits and no chunk is
     /// in flight.
     pub(super) async fn schedule(&mut self, output: &Output, sql: &Client) -> Result<(), RunError> {
-        for mut m in std::mem::take(&mut self.abandoned) {
+        for m in std::mem::take(&mut self.abandoned) {
             tracing::warn!(
                 id = m.id.as_deref().unwrap_or(""),
                 "an unfinished incremental snapshot of the previous slot was abandoned"
             );
-            m.phase = Phase::Failed;
-            m.error = Some(
-                "the slot was created again (with a new initial snapshot) before it completed"
-                    .into(),
-            );
-            m.ts_ms = now_ms();
-            snapshot_marker::write(&output.producer, &self.config, &m)
-                .await
-                .map_err(RunError::Delivery)?;
+            let reason =
+                "the slot was created again (with a new initial snapshot) before it completed";
+            self.record_failed(output, m, reason.into()).await?;
         }
         if self.chunk.is_some() {
             return Ok(());

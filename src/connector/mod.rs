@@ -618,9 +618,6 @@ impl Output {
         Ok(())
     }
 
-    /// A topic no route may write to: a changelog, the transaction, dead-
-    /// letter, snapshot-marker or offsets topic. A topic already routed to
-    /// passed this check when it was created.
     /// The bound on records to `topic`, in words.
     fn limit_text(&self, topic: &str) -> String {
         let limit = self.limits.of(topic);
@@ -631,6 +628,9 @@ impl Output {
         }
     }
 
+    /// A topic no route may write to: a changelog, the transaction, dead-
+    /// letter, snapshot-marker or offsets topic. A topic already routed to
+    /// passed this check when it was created.
     fn reserved_topic(&self, topic: &str) -> bool {
         if self.known_domain_topic(topic) {
             return false;
@@ -1164,10 +1164,9 @@ async fn fit_to_topics(
         }
     };
     for (topic, limit) in &read {
-        let fits = limit.saturating_sub(sink::RECORD_FRAMING);
-        if fits >= default {
+        let Some(fits) = sink::lowered_bound(default, *limit) else {
             continue;
-        }
+        };
         if fits < crate::config::MIN_MESSAGE_BYTES {
             return Err(RunError::Config(format!(
                 "topic {topic} takes records of at most {limit} bytes (max.message.bytes): too few for pgcdc, which needs {} (raise it)",

@@ -120,12 +120,11 @@ pub struct Leaf {
     pub heap: bool,
 }
 
-/// The oids of the tables (`schema.table` as configured), in their order;
-/// a table that does not exist now is an error naming it, since a table
-/// renamed or dropped after the publication check would otherwise read as
-/// one pgcdc does not capture.
-/// The outer error is the query's (an outage to retry), the inner one the
-/// missing tables' (a config matter).
+/// The oids of the tables (`schema.table` as configured), in their order.
+/// A table that does not exist now is the inner error, naming it (a
+/// config matter: renamed or dropped after the publication check, it
+/// would otherwise read as one pgcdc does not capture); the outer error
+/// is the query's (an outage to retry).
 pub async fn table_oids(
     client: &Client,
     tables: &[String],
